@@ -1,0 +1,45 @@
+"""thor_optax: THOR / K-FAC natural-gradient preconditioners as optax gradient transformations.
+
+Public API (import from here or from ``thor_optax.flax``; never from ``thor_optax._src``):
+
+* ``scale_by_thor``, ``scale_by_kfac``: the preconditioners (``GradientTransformationExtraArgs``;
+  statistics go in as ``update(..., curvature_stats=stats)``).
+* ``thor``, ``kfac``: full optimizers (preconditioner, weight decay, momentum SGD).
+* ``thor_learning_rate_schedule``, ``thor_damping_schedule``: the paper's schedule shapes.
+* ``CheckSchedule``, ``growing_interval``: which steps are curvature-check steps.
+* ``KroneckerState``, ``LayerDiagnostics``: the transform state and its per-layer record.
+* ``DenseStats``, ``ConvStats``, ``CurvatureStats``: raw per-layer statistics.
+* ``thor_optax.flax.value_and_grad_with_stats``: capture from an unchanged Flax linen model.
+"""
+
+from thor_optax._src.alias import kfac
+from thor_optax._src.alias import thor
+from thor_optax._src.alias import thor_damping_schedule
+from thor_optax._src.alias import thor_learning_rate_schedule
+from thor_optax._src.schedule import CheckSchedule
+from thor_optax._src.schedule import growing_interval
+from thor_optax._src.stats import ConvStats
+from thor_optax._src.stats import CurvatureStats
+from thor_optax._src.stats import DenseStats
+from thor_optax._src.transform import KroneckerState
+from thor_optax._src.transform import LayerDiagnostics
+from thor_optax._src.transform import scale_by_kfac
+from thor_optax._src.transform import scale_by_thor
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "CheckSchedule",
+    "ConvStats",
+    "CurvatureStats",
+    "DenseStats",
+    "KroneckerState",
+    "LayerDiagnostics",
+    "growing_interval",
+    "kfac",
+    "scale_by_kfac",
+    "scale_by_thor",
+    "thor",
+    "thor_damping_schedule",
+    "thor_learning_rate_schedule",
+)
