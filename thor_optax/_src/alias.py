@@ -22,11 +22,9 @@ ScalarOrSchedule = Union[float, optax.Schedule]
 
 def _first_order_tail(learning_rate: ScalarOrSchedule, momentum: float, nesterov: bool,
                       weight_decay: float, weight_decay_mask: Any) -> list:
-  tail = []
-  if weight_decay:
-    tail.append(optax.add_decayed_weights(weight_decay, mask=weight_decay_mask))
-  tail.append(optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov))
-  return tail
+  # No Python branching on the numbers: optax.inject_hyperparams passes them in as arrays.
+  return [optax.add_decayed_weights(weight_decay, mask=weight_decay_mask),
+          optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)]
 
 
 def thor(
@@ -48,11 +46,12 @@ def thor(
     learning_rate: float or optax schedule (the paper's shape:
       :func:`thor_learning_rate_schedule`).
     damping: float or schedule of the step (the paper's shape: :func:`thor_damping_schedule`).
-    momentum: heavy-ball momentum (0.9 in the paper); 0 disables it.
+    momentum: heavy-ball momentum (0.9 in the paper).
     nesterov: Nesterov momentum.
     weight_decay: coefficient added to the preconditioned gradient (the paper: 5e-4).
     weight_decay_mask: optax mask (tree or callable) of the parameters that decay.
-    block_size, trace_thresholds, ema_decay, pi_damping: see :func:`scale_by_thor`.
+    block_size, trace_thresholds, ema_decay, pi_damping: see :func:`scale_by_thor`. Under
+      ``optax.inject_hyperparams`` list ``block_size`` in ``static_args``: it fixes shapes.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` to ``update`` on

@@ -189,8 +189,13 @@ def build_layout(tree: Any, block_size: Optional[int]) -> BlockLayout:
   Raises:
     ValueError: if ``block_size`` is not a positive integer or ``None``.
   """
-  if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-    raise ValueError(f"block_size must be a positive int or None, got {block_size!r}")
+  if block_size is not None and (not isinstance(block_size, (int, np.integer))
+                                 or isinstance(block_size, bool) or block_size < 1):
+    raise ValueError(
+        f"block_size must be a positive Python int or None, got {block_size!r}. It fixes array "
+        "shapes, so it cannot be a traced value: with optax.inject_hyperparams pass "
+        "static_args=('block_size',).")
+  block_size = None if block_size is None else int(block_size)
   counts: dict[int, int] = {}
   layers = []
 

@@ -321,7 +321,7 @@ def _kronecker_preconditioner(
     raise ValueError(f"ema_decay must be in [0, 1) or None, got {ema_decay}")
   if refresh_buckets < 1:
     raise ValueError(f"refresh_buckets must be >= 1, got {refresh_buckets}")
-  if not callable(damping) and not float(damping) > 0:
+  if isinstance(damping, (int, float)) and not damping > 0:
     raise ValueError(f"damping must be positive, got {damping}")
 
   def init_fn(params):

@@ -1,0 +1,144 @@
+"""THOR's trace rule: unit tests of the regimes and end-to-end refresh counts in the transform."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import thor_optax
+from thor_optax._src import blocks
+from thor_optax._src import trace
+
+D_IN, D_OUT, N, B = 12, 6, 32, 4  # A: 3 blocks of 4 (no bias); G: 2 blocks of 4, last padded
+
+
+def _params():
+  return {"dense": {"kernel": jnp.zeros((D_IN, D_OUT), jnp.float32)}}
+
+
+def _stats(inputs, cotangents):
+  return thor_optax.CurvatureStats(
+      layers={"dense": thor_optax.DenseStats(inputs=inputs, cotangents=cotangents[None])})
+
+
+def _data(seed):
+  ka, kg = jax.random.split(jax.random.PRNGKey(seed))
+  return jax.random.normal(ka, (N, D_IN)), jax.random.normal(kg, (N, D_OUT))
+
+
+def _run_checks(tx, stats_seq):
+  """Runs one check step per statistics in ``stats_seq``; returns the states after each."""
+  params = _params()
+  state = tx.init(params)
+  update = jax.jit(lambda s, st: tx.update(params, s, params, curvature_stats=st)[1])
+  states = []
+  for st in stats_seq:
+    state = update(state, st)
+    states.append(state)
+  return states
+
+
+def _refreshed_per_check(states):
+  totals = [int(sum(np.sum(r) for r in s.refreshes.values())) for s in states]
+  return np.diff([0] + totals)
+
+
+def test_rule_regimes():
+  ref = jnp.array([0.0, 1.0, 1.0, 1.0, 1.0])
+  now = jnp.array([5.0, 1.5, 1.005, 1.0001, 3.0])
+  frozen = jnp.array([False, False, False, False, True])
+  valid = jnp.ones(5, bool)
+  d = trace.trace_rule(now, ref, frozen, valid, omega1=0.01, omega2=0.001)
+  np.testing.assert_array_equal(d.refresh, [True, True, False, False, False])
+  np.testing.assert_array_equal(d.freeze, [False, False, False, True, False])
+  np.testing.assert_allclose(d.ratio, [0.0, 0.5, 0.005, 1e-4, 0.0], rtol=1e-3)
+  # Invalid (non-finite) statistics: neither refreshed nor frozen.
+  d = trace.trace_rule(now, ref, frozen, jnp.zeros(5, bool), 0.01, 0.001)
+  assert not d.refresh.any() and not d.freeze.any()
+
+
+def test_rule_zero_thresholds_always_refresh():
+  ref = jnp.array([1.0, 2.0, 3.0])
+  d = trace.trace_rule(ref, ref, jnp.zeros(3, bool), jnp.ones(3, bool), 0.0, 0.0)
+  assert d.refresh.all() and not d.freeze.any()
+
+
+def test_invalid_thresholds_raise():
+  with pytest.raises(ValueError, match="omega2 <= omega1"):
+    thor_optax.scale_by_thor(trace_thresholds=(0.001, 0.01))
+
+
+def test_zero_thresholds_refresh_every_block_every_check():
+  tx = thor_optax.scale_by_thor(0.1, block_size=B, trace_thresholds=(0.0, 0.0))
+  states = _run_checks(tx, [_stats(*_data(s)) for s in range(3)])
+  n_blocks = 3 + 2
+  np.testing.assert_array_equal(_refreshed_per_check(states), [n_blocks] * 3)
+  diag = states[-1].diagnostics["dense"]
+  assert int(diag.blocks_refreshed) == n_blocks and int(diag.total_refreshes) == 3 * n_blocks
+
+
+def test_huge_omega1_refreshes_only_first_check():
+  tx = thor_optax.scale_by_thor(0.1, block_size=B, trace_thresholds=(1e9, 0.0))
+  states = _run_checks(tx, [_stats(*_data(s)) for s in range(3)])
+  np.testing.assert_array_equal(_refreshed_per_check(states), [5, 0, 0])
+  for g in states[0].inverses:
+    np.testing.assert_array_equal(states[0].inverses[g], states[-1].inverses[g])
+  assert float(states[-1].diagnostics["dense"].trace_ratio) > 0
+
+
+def test_frozen_blocks_never_refresh_again():
+  # omega2 huge: the second check freezes every block; a large trace jump later changes nothing.
+  tx = thor_optax.scale_by_thor(0.1, block_size=B, trace_thresholds=(1e9, 1e9))
+  a, g = _data(0)
+  states = _run_checks(tx, [_stats(a, g), _stats(a, g), _stats(100 * a, 100 * g)])
+  np.testing.assert_array_equal(_refreshed_per_check(states), [5, 0, 0])
+  assert all(bool(f.all()) for f in states[1].frozen.values())
+  assert int(states[-1].diagnostics["dense"].frozen_blocks) == 5
+  for g_ in states[0].inverses:
+    np.testing.assert_array_equal(states[0].inverses[g_], states[-1].inverses[g_])
+
+
+def test_known_trace_jump_refreshes_exactly_the_blocks_that_jumped():
+  tx = thor_optax.scale_by_thor(0.1, block_size=B, trace_thresholds=(0.01, 0.0))
+  a, g = _data(0)
+  a2 = a.at[:, 4:8].multiply(3.0)   # A's block 1 jumps (trace x9), blocks 0 and 2 unchanged
+  g2 = g.at[:, 0:4].multiply(0.5)   # G's block 0 drops (trace x0.25), block 1 unchanged
+  states = _run_checks(tx, [_stats(a, g), _stats(a2, g2)])
+  layout = blocks.build_layout(_params(), B)
+  spec = layout.layers[0]
+  refreshes = states[1].refreshes[spec.a.group]
+  np.testing.assert_array_equal(refreshes[spec.a.start:spec.a.stop], [1, 2, 1])
+  np.testing.assert_array_equal(refreshes[spec.g.start:spec.g.stop], [2, 1])
+  assert int(states[1].diagnostics["dense"].blocks_refreshed) == 2
+  # The damped trace of A's block 1 grows from t + 4 sqrt(lambda) to 9 t + 4 sqrt(lambda).
+  t = float(jnp.sum(a[:, 4:8] ** 2)) / N
+  expected_ratio = 8 * t / (t + 4 * np.sqrt(0.1))
+  np.testing.assert_allclose(float(states[1].diagnostics["dense"].trace_ratio), expected_ratio,
+                             rtol=1e-4)
+  # Unrefreshed blocks keep their inverses exactly; refreshed ones change.
+  inv0, inv1 = states[0].inverses[spec.a.group], states[1].inverses[spec.a.group]
+  changed = [not np.array_equal(inv0[i], inv1[i]) for i in range(len(inv0))]
+  expected = np.zeros(len(inv0), bool)
+  expected[spec.a.start + 1] = expected[spec.g.start] = True
+  np.testing.assert_array_equal(changed, expected)
+
+
+def test_masked_block_update_only_selected_blocks_and_budget():
+  old = jnp.arange(8.0)[:, None] * jnp.ones((8, 3))
+  seen_sizes = []
+
+  def fn(idx):
+    seen_sizes.append(idx.shape[0])
+    return -jnp.ones((idx.shape[0], 3)) * idx[:, None], idx != 5  # block 5 "fails"
+
+  mask = jnp.zeros(8, bool).at[jnp.array([1, 5, 6])].set(True)
+  new, refreshed = jax.jit(lambda m: blocks.masked_block_update(m, old, fn, 4))(mask)
+  np.testing.assert_array_equal(refreshed, [0, 1, 0, 0, 0, 0, 1, 0])
+  expected = np.array(old)
+  expected[1], expected[6] = -1.0, -6.0
+  np.testing.assert_array_equal(new, expected)
+  assert sorted(set(seen_sizes)) == [2, 4, 6, 8]  # one traced branch per non-zero budget
+  assert blocks.refresh_budgets(8, 4) == (0, 2, 4, 6, 8)
+  none, refreshed = blocks.masked_block_update(jnp.zeros(8, bool), old, fn, 4)
+  np.testing.assert_array_equal(none, old)
+  assert not refreshed.any()
