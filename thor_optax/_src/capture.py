@@ -47,8 +47,10 @@ def _pair(x: Any, default: int = 1) -> Optional[tuple[int, ...]]:
 
 def _conv_metadata(mod: nn.Conv) -> tuple[Optional[dict], str]:
   """Static conv metadata for :class:`ConvStats`, or ``(None, reason)`` if unsupported."""
-  if len(mod.kernel_size) != 2:
-    return None, f"{len(mod.kernel_size)}-D convolution (only 2-D is supported)"
+  kernel_size = mod.kernel_size
+  kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
+  if len(kernel_size) != 2:
+    return None, f"{len(kernel_size)}-D convolution (only 2-D is supported)"
   if mod.feature_group_count != 1:
     return None, f"feature_group_count={mod.feature_group_count} (only 1 is supported)"
   if getattr(mod, "mask", None) is not None:
@@ -63,7 +65,7 @@ def _conv_metadata(mod: nn.Conv) -> tuple[Optional[dict], str]:
   else:
     padding = tuple((p, p) if isinstance(p, int) else (int(p[0]), int(p[1])) for p in padding)
   return dict(
-      kernel_size=tuple(int(k) for k in mod.kernel_size),
+      kernel_size=tuple(int(k) for k in kernel_size),
       strides=_pair(mod.strides),
       padding=padding,
       input_dilation=_pair(mod.input_dilation),
@@ -106,7 +108,7 @@ def output_cotangents(outputs: jax.Array, dloss: jax.Array, n_examples: int, fis
   """
   if fisher_type == "empirical":
     return (dloss * n_examples)[None]
-  f = outputs.astype(jnp.float32)
+  f = outputs.astype(jnp.promote_types(outputs.dtype, jnp.float32))
   k = f.shape[-1]
   if fisher_type == "sampled":
     scale = 1.0 / math.sqrt(num_samples)
