@@ -14,53 +14,20 @@ import jax
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import thor_optax
 from thor_optax._src import blocks
 from thor_optax._src import factors
 from thor_optax._src import inverse
-from thor_optax.flax import value_and_grad_with_stats
+
+import reference
+from reference import F64, init_params, randn, softmax_ce, squared_error
+from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _float64():
-  """Dense references in float64, for this module's tests only."""
-  with jax.enable_x64(True):
-    yield
-
-F64 = jnp.float64
 RTOL = 1e-9
 LAM = 0.05
-
-
-def _randn(seed, shape):
-  return np.random.default_rng(seed).standard_normal(shape)
-
-
-def _init(model, *args, seed=0):
-  """float64 parameters of the model's shapes, drawn with NumPy (no compilation)."""
-  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *args))["params"]
-  rng = np.random.default_rng(100 + seed)
-
-  def draw(leaf):
-    scale = 1.0 / np.sqrt(np.prod(leaf.shape[:-1])) if len(leaf.shape) > 1 else 0.3
-    return jnp.asarray(scale * rng.standard_normal(leaf.shape), F64)
-
-  return jax.tree.map(draw, shapes)
-
-
-def _capture(model, loss_fn, **kwargs):
-  return jax.jit(value_and_grad_with_stats(model, loss_fn, **kwargs))
-
-
-def _squared_error(out, y):
-  return 0.5 * jnp.sum((out - y) ** 2, axis=-1).mean()
-
-
-def _softmax_ce(out, y):
-  return optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
 
 
 def _package_factors(params, stats, names):
@@ -107,11 +74,11 @@ class DeepLinear(nn.Module):
 def test_deep_linear_kfac_equals_gauss_newton_blocks(use_bias):
   n, names = 6, ("Dense_0", "Dense_1", "Dense_2")
   model = DeepLinear(use_bias)
-  x = jnp.asarray(_randn(1, (n, 5)))
-  y = jnp.asarray(_randn(2, (n, 2)))
-  params = _init(model, x, seed=1)
-  capture = _capture(model, _squared_error, fisher_type="exact", likelihood="squared_error")
-  _, stats = capture(params, x, y)
+  x = jnp.asarray(randn(1, (n, 5)))
+  y = jnp.asarray(randn(2, (n, 2)))
+  params = init_params(model, x, seed=1)
+  run = reference.capture(model, squared_error, fisher_type="exact", likelihood="squared_error")
+  _, stats = run(params, x, y)
   assert stats.layers["Dense_2"].cotangents.shape == (2, n, 2)  # K = 2 output directions
   fac = _package_factors(params, stats, names)
 
@@ -151,10 +118,10 @@ class SmallMLP(nn.Module):
 def test_single_example_empirical_fisher_is_gradient_outer_product():
   names = ("Dense_0", "Dense_1", "Dense_2")
   model = SmallMLP()
-  x = jnp.asarray(_randn(3, (1, 5)))
+  x = jnp.asarray(randn(3, (1, 5)))
   y = jnp.asarray([2])
-  params = _init(model, x, seed=2)
-  (_, grads), stats = _capture(model, _softmax_ce)(params, x, y)
+  params = init_params(model, x, seed=2)
+  (_, grads), stats = reference.capture(model, softmax_ce)(params, x, y)
   fac = _package_factors(params, stats, names)
   for name in names:
     v = _stacked(grads[name]).reshape(-1)
@@ -268,10 +235,10 @@ class Mixed(nn.Module):
 @pytest.fixture(scope="module")
 def mixed_run():
   model = Mixed()
-  x = jnp.asarray(_randn(4, (4, 5, 5, 2)))
+  x = jnp.asarray(randn(4, (4, 5, 5, 2)))
   y = jnp.asarray([0, 2, 1, 2])
-  params = _init(model, x, seed=4)
-  (_, grads), stats = _capture(model, _softmax_ce)(params, x, y)
+  params = init_params(model, x, seed=4)
+  (_, grads), stats = reference.capture(model, softmax_ce)(params, x, y)
   tx = thor_optax.scale_by_kfac(LAM, ema_decay=None)
   state = jax.jit(tx.init)(params)
   assert jax.tree.leaves(state.inverses)[0].dtype == F64
@@ -341,10 +308,10 @@ class Wide(nn.Module):
 def test_split_update_uses_block_diagonal_factors():
   b = 4
   model = Wide()
-  x = jnp.asarray(_randn(5, (7, 10)))
+  x = jnp.asarray(randn(5, (7, 10)))
   y = jnp.asarray([0, 1, 2, 0, 1, 2, 2])
-  params = _init(model, x, seed=5)
-  (_, grads), stats = _capture(model, _softmax_ce)(params, x, y)
+  params = init_params(model, x, seed=5)
+  (_, grads), stats = reference.capture(model, softmax_ce)(params, x, y)
   # refresh_buckets=1: with thresholds (0, 0) every block is refreshed, so the other refresh
   # budgets would only cost compile time.
   tx = thor_optax.scale_by_thor(LAM, block_size=b, trace_thresholds=(0.0, 0.0),

@@ -12,7 +12,6 @@ import jax
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import thor_optax
@@ -20,31 +19,12 @@ from thor_optax._src import blocks
 from thor_optax._src import factors
 from thor_optax.flax import value_and_grad_with_stats
 
+import reference
+from reference import F64, init_params, randn, softmax_ce, squared_error
+from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
 
-@pytest.fixture(autouse=True, scope="module")
-def _float64():
-  """Dense references in float64, for this module's tests only."""
-  with jax.enable_x64(True):
-    yield
 
-F64 = jnp.float64
 TIGHT = dict(rtol=1e-10, atol=1e-12)
-
-
-def _randn(seed, shape):
-  return np.random.default_rng(seed).standard_normal(shape)
-
-
-def _init(model, *args, seed=0):
-  """float64 parameters of the model's shapes, drawn with NumPy (no compilation)."""
-  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *args))["params"]
-  rng = np.random.default_rng(100 + seed)
-
-  def draw(leaf):
-    scale = 1.0 / np.sqrt(np.prod(leaf.shape[:-1])) if len(leaf.shape) > 1 else 0.3
-    return jnp.asarray(scale * rng.standard_normal(leaf.shape), F64)
-
-  return jax.tree.map(draw, shapes)
 
 
 def _package_factors(params, stats, name):
@@ -59,18 +39,6 @@ def _package_factors(params, stats, name):
 
   a_rows, a_scale, g_rows, g_scale = rows(stats.layers[name])
   return np.asarray(a_rows), float(a_scale), np.asarray(g_rows), float(g_scale)
-
-
-def _capture(model, loss_fn, **kwargs):
-  return jax.jit(value_and_grad_with_stats(model, loss_fn, **kwargs))
-
-
-def _squared_error(out, y):
-  return 0.5 * jnp.sum((out - y) ** 2, axis=-1).mean()
-
-
-def _softmax_ce(out, y):
-  return optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,15 +120,15 @@ def test_conv_factors_match_loop_im2col(name):
   hw, c_in, c_out, ksize, strides, padding, kdil, idil, bias = CONV_CONFIGS[name]
   n = 3
   model = OneConv(c_out, ksize, strides, padding, kdil, idil, bias)
-  x = jnp.asarray(_randn(1, (n,) + hw + (c_in,)))
-  y = jnp.asarray(_randn(2, (n, c_out)))
-  params = _init(model, x)
+  x = jnp.asarray(randn(1, (n,) + hw + (c_in,)))
+  y = jnp.asarray(randn(2, (n, c_out)))
+  params = init_params(model, x)
   spec = blocks.build_layout(params, None).layer("conv")
-  capture = value_and_grad_with_stats(model, _squared_error)
+  capture_fn = value_and_grad_with_stats(model, squared_error)
 
   @jax.jit
   def run(params, x, y):  # everything the package computes, in one compilation
-    (_, grads), stats = capture(params, x, y)
+    (_, grads), stats = capture_fn(params, x, y)
     layer = stats.layers["conv"]
     _, inter = model.apply({"params": params}, x, capture_intermediates=True)
     kmat = factors.kernel_matrix(params["conv"]["kernel"])
@@ -271,17 +239,17 @@ def _perturbation_grads(model, params, x, y, loss_fn):
 def test_dense_with_positions():
   n, t, d = 3, 4, 3
   model = SeqMLP()
-  x = jnp.asarray(_randn(3, (n, t, d)))
-  y = jnp.asarray(_randn(4, (n, 2)))
-  params = _init(model, x)
-  (_, _), stats = _capture(model, _squared_error)(params, x, y)
+  x = jnp.asarray(randn(3, (n, t, d)))
+  y = jnp.asarray(randn(4, (n, 2)))
+  params = init_params(model, x)
+  (_, _), stats = reference.capture(model, squared_error)(params, x, y)
   layer = stats.layers["Dense_0"]
   assert isinstance(layer, thor_optax.DenseStats)
   assert layer.inputs.shape == (n, t, d)
   assert layer.cotangents.shape == (1, n, t, 4)
   np.testing.assert_array_equal(layer.inputs, x)
   # Cotangents are per example: N * d(mean loss)/d(layer output).
-  dh = _perturbation_grads(model, params, x, y, _squared_error)
+  dh = _perturbation_grads(model, params, x, y, squared_error)
   np.testing.assert_allclose(layer.cotangents[0], n * np.asarray(dh["Dense_0_out"]), **TIGHT)
 
   a = np.asarray(x)
@@ -317,18 +285,18 @@ class MLP(nn.Module):
 
 def _mlp_problem(n=6, seed=0):
   model = MLP()
-  x = jnp.asarray(_randn(10 + seed, (n, 3)))
+  x = jnp.asarray(randn(10 + seed, (n, 3)))
   y = jnp.asarray(np.random.default_rng(20 + seed).integers(0, 3, n))
-  return model, _init(model, x, seed=seed), x, y
+  return model, init_params(model, x, seed=seed), x, y
 
 
 def test_capture_grads_and_empirical_cotangents():
   model, params, x, y = _mlp_problem()
   n = x.shape[0]
-  (loss, grads), stats = _capture(model, _softmax_ce)(params, x, y)
+  (loss, grads), stats = reference.capture(model, softmax_ce)(params, x, y)
 
   def ref_loss(p):
-    return _softmax_ce(model.apply({"params": p}, x), y)
+    return softmax_ce(model.apply({"params": p}, x), y)
 
   ref_l, ref_g = jax.jit(jax.value_and_grad(ref_loss))(params)
   np.testing.assert_allclose(loss, ref_l, rtol=1e-14)
@@ -340,7 +308,7 @@ def test_capture_grads_and_empirical_cotangents():
   p0 = jax.tree.map(np.asarray, params)
   h = np.tanh(np.asarray(x) @ p0["Dense_0"]["kernel"] + p0["Dense_0"]["bias"])
   np.testing.assert_allclose(stats.layers["Dense_1"].inputs, h, **TIGHT)
-  dh = _perturbation_grads(model, params, x, y, _softmax_ce)
+  dh = _perturbation_grads(model, params, x, y, softmax_ce)
   for name in ("Dense_0", "Dense_1"):
     ct = stats.layers[name].cotangents
     assert ct.shape == (1,) + dh[name + "_out"].shape
@@ -367,9 +335,9 @@ def _softmax_fisher_G(params, x):
 
 def test_sampled_fisher_approaches_exact():
   model, params, x, y = _mlp_problem(n=8, seed=1)
-  exact_fn = _capture(model, _softmax_ce, fisher_type="exact",
+  exact_fn = reference.capture(model, softmax_ce, fisher_type="exact",
                       likelihood="softmax_cross_entropy")
-  sampled_fn = _capture(model, _softmax_ce, fisher_type="sampled",
+  sampled_fn = reference.capture(model, softmax_ce, fisher_type="sampled",
                         likelihood="softmax_cross_entropy", num_samples=2000)
   (_, g_exact), exact = exact_fn(params, x, y)
   (_, g_sampled), sampled = sampled_fn(params, x, y, rng=jax.random.PRNGKey(0))
@@ -390,7 +358,7 @@ def test_sampled_fisher_approaches_exact():
 def _exact_softmax_case():
   """Last layer of the MLP, exact softmax Fisher: (package G, analytic G, A (x) G, J^T H J)."""
   model, params, x, y = _mlp_problem(n=5, seed=2)
-  fn = _capture(model, _softmax_ce, fisher_type="exact", likelihood="softmax_cross_entropy")
+  fn = reference.capture(model, softmax_ce, fisher_type="exact", likelihood="softmax_cross_entropy")
   # N > 1: last-layer G = mean_n(diag(p_n) - p_n p_n^T).
   _, stats = fn(params, x, y)
   *_, g_rows, g_scale = _package_factors(params, stats, "Dense_1")
@@ -438,8 +406,8 @@ def test_unhandled_modules_pass_through():
   model = Odd()
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 7, (4, 5)))
   y = jnp.asarray(np.random.default_rng(1).integers(0, 3, 4))
-  params = _init(model, tokens)
-  (_, grads), stats = _capture(model, _softmax_ce)(params, tokens, y)
+  params = init_params(model, tokens)
+  (_, grads), stats = reference.capture(model, softmax_ce)(params, tokens, y)
   assert set(stats.layers) == {"head"}
   unhandled = dict(s.split(": ", 1) for s in stats.unhandled)
   assert set(unhandled) == {"embed", "norm", "shared"}
