@@ -214,3 +214,12 @@ def test_layers_without_statistics_pass_through(setup):
     updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=partial)
   _tree_allclose(updates["Dense_0"], grads["Dense_0"], rtol=0, atol=0)
   assert not np.allclose(updates["Dense_1"]["kernel"], grads["Dense_1"]["kernel"])
+
+
+def test_fresh_state_can_be_donated(setup):
+  params, grads, stats = setup
+  tx = thor_optax.thor(0.1, block_size=4)
+  # A plain step passes the diagnostics through, so every leaf of the state is an input.
+  step = jax.jit(lambda s: tx.update(grads, s, params)[1], donate_argnums=0)
+  state = step(tx.init(params))  # raises if two leaves of the state share a buffer
+  assert int(state[0].count) == 1

@@ -112,12 +112,13 @@ def _init_state(layout: blocks.BlockLayout, dtype: jnp.dtype, ema: bool) -> Kron
     trace_ref[group] = jnp.zeros((n,), dtype)
     frozen[group] = jnp.zeros((n,), bool)
     refreshes[group] = jnp.zeros((n,), jnp.int32)
-  zero_i = jnp.zeros((), jnp.int32)
+  # A fresh buffer per leaf: a state whose leaves share buffers cannot be donated to jit.
+  zero_i = lambda: jnp.zeros((), jnp.int32)
   diagnostics = {
       spec.name: LayerDiagnostics(
-          blocks_refreshed=zero_i,
+          blocks_refreshed=zero_i(),
           num_blocks=jnp.asarray(spec.a.num_blocks + spec.g.num_blocks, jnp.int32),
-          total_refreshes=zero_i, frozen_blocks=zero_i,
+          total_refreshes=zero_i(), frozen_blocks=zero_i(),
           trace_ratio=jnp.zeros((), dtype))
       for spec in layout.layers
   }
