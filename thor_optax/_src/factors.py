@@ -34,6 +34,11 @@ def _with_ones(rows: jax.Array) -> jax.Array:
 def conv_patches(stats: stats_lib.ConvStats) -> jax.Array:
   """im2col patches of a conv layer's input.
 
+  Built from ``k_h * k_w`` strided slices of the padded input: pure data movement, ``O(N H' W'
+  C k_h k_w)``. (``lax.conv_general_dilated_patches`` computes the same array as a convolution
+  with an identity kernel, ``O(C^2 k_h^2 k_w^2)`` multiply-adds per position, which dominated
+  a curvature check on CPU; it is kept only for input dilation.)
+
   Args:
     stats: the layer's :class:`ConvStats`; ``inputs`` has shape ``(N, H, W, C_in)``.
 
@@ -41,15 +46,29 @@ def conv_patches(stats: stats_lib.ConvStats) -> jax.Array:
     ``(N, H_out, W_out, C_in * k_h * k_w)``, features ordered channel-major ``(C_in, k_h, k_w)``
     (the order of ``lax.conv_general_dilated_patches``); ``kernel_matrix`` matches it.
   """
-  return jax.lax.conv_general_dilated_patches(
-      stats.inputs,
-      filter_shape=stats.kernel_size,
-      window_strides=stats.strides,
-      padding=stats.padding,
-      lhs_dilation=stats.input_dilation,
-      rhs_dilation=stats.kernel_dilation,
-      dimension_numbers=("NHWC", "HWIO", "NHWC"),
-  )
+  x = stats.inputs
+  if tuple(stats.input_dilation) != (1, 1):
+    return jax.lax.conv_general_dilated_patches(
+        x, filter_shape=stats.kernel_size, window_strides=stats.strides,
+        padding=stats.padding, lhs_dilation=stats.input_dilation,
+        rhs_dilation=stats.kernel_dilation, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  (kh, kw), (sh, sw), (dh, dw) = stats.kernel_size, stats.strides, stats.kernel_dilation
+  span = ((kh - 1) * dh + 1, (kw - 1) * dw + 1)
+  pads = stats.padding
+  if isinstance(pads, str):
+    pads = jax.lax.padtype_to_pads(x.shape[1:3], span, (sh, sw), pads)
+  x = jnp.pad(x, ((0, 0), tuple(pads[0]), tuple(pads[1]), (0, 0)))
+  h_out = (x.shape[1] - span[0]) // sh + 1
+  w_out = (x.shape[2] - span[1]) // sw + 1
+  taps = [
+      jax.lax.slice(x, (0, i * dh, j * dw, 0),
+                    (x.shape[0], i * dh + (h_out - 1) * sh + 1,
+                     j * dw + (w_out - 1) * sw + 1, x.shape[3]),
+                    (1, sh, sw, 1))
+      for i in range(kh) for j in range(kw)
+  ]
+  patches = jnp.stack(taps, axis=-1)  # (N, H', W', C, k_h k_w): channel-major
+  return patches.reshape(patches.shape[:3] + (-1,))
 
 
 def kernel_matrix(kernel: jax.Array) -> jax.Array:
