@@ -1,0 +1,208 @@
+"""THOR's per-step costs on the MNIST models: skipped blocks, and the hardware-driven block size.
+
+Two tables per model (the MLP and the CNN of ``benchmarks/mnist.py``, real MNIST digits, batch
+128, timings are medians over ``--repeats`` calls of jitted functions):
+
+1. **What a curvature check costs when the trace rule refreshes all, some or none of the
+   blocks.** THOR's claim is that skipped factor blocks cost neither a covariance nor an
+   inversion. Under ``jax.jit`` that holds only if skipped work is not computed and then
+   discarded; thor_optax gathers the blocks due into a buffer of a static budget and runs only
+   that budget's branch (``blocks.masked_block_update``). After a first check, a second batch of
+   statistics is built in which the input columns of a chosen fraction of every factor's blocks
+   are scaled by 2: exactly those blocks' traces jump past ``omega1 = 0.01``, every other block's
+   trace is unchanged (ratio 0, kept). The table times the preconditioner's ``update`` on it
+   (traces, trace rule, covariances and inversions of the blocks due, preconditioning) and counts
+   the blocks actually refreshed (from the state's diagnostics).
+
+2. **THOR's hardware-driven split** (Chen et al. 2021, "Hardware-driven matrix splitting"): for
+   each candidate block size ``b``, the information loss of the block-diagonal approximation,
+   ``L = 1 - sqrt(lambda_max(Ab Ab^T) / lambda_max(A A^T)) = 1 - lambda_max(Ab) / lambda_max(A)``
+   for every factor (``A`` and ``G`` of every layer, damped as in training), against the cost of a
+   full THOR training step without statistics (plain) and with statistics refreshing every block
+   (check), as multiples of an optax SGD-momentum step. The paper picks the size where the
+   fraction of factors with ``L < 1%`` and the normalized speed cross (128 on Ascend for
+   ResNet-50); this table is that measurement on the machine that runs it.
+
+Run::
+
+    python3 benchmarks/check_step.py
+    python3 benchmarks/check_step.py --tasks mlp --block-size 64 --block-sizes 32 64 128 --repeats 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import mnist  # noqa: E402  (the benchmark's models, data and loss)
+import thor_optax  # noqa: E402
+from thor_optax._src import blocks  # noqa: E402
+from thor_optax._src import factors  # noqa: E402
+from thor_optax.flax import value_and_grad_with_stats  # noqa: E402
+
+DAMPING = 0.03
+
+
+def median_ms(fn, repeats: int) -> float:
+  """Median wall time of ``fn()`` in milliseconds, after one warm-up (compiling) call."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return 1e3 * float(np.median(times))
+
+
+def jump_blocks(stats: thor_optax.CurvatureStats, layout: blocks.BlockLayout,
+                fraction: float) -> thor_optax.CurvatureStats:
+  """Doubles the columns behind the first ``ceil(fraction * n)`` blocks of every factor.
+
+  Input columns move only ``A``'s blocks, cotangent columns only ``G``'s. A conv input channel
+  feeds ``k_h k_w`` consecutive patch columns (channel-major patches), so the channels scaled are
+  those whose patch columns fall in the chosen blocks.
+  """
+  layers = dict(stats.layers)
+  for spec in layout.layers:
+    layer = layers[spec.name]
+
+    def scale_first(x, slot, columns_per_channel):
+      n = math.ceil(fraction * slot.num_blocks)
+      channels = min(x.shape[-1], math.ceil(n * slot.block / columns_per_channel))
+      return x.at[..., :channels].multiply(2.0) if n else x
+
+    per_channel = 1 if spec.kind == "dense" else spec.kernel_shape[0] * spec.kernel_shape[1]
+    fields = dict(vars(layer))
+    fields["inputs"] = scale_first(layer.inputs, spec.a, per_channel)
+    fields["cotangents"] = scale_first(layer.cotangents, spec.g, 1)
+    layers[spec.name] = type(layer)(**fields)
+  return thor_optax.CurvatureStats(layers=layers, unhandled=stats.unhandled)
+
+
+def information_loss(stats: thor_optax.CurvatureStats, params, block_size: int) -> np.ndarray:
+  """THOR's spectral information loss of every damped factor split with ``block_size``."""
+  layout = blocks.build_layout(params, None)
+  losses = []
+  for spec in layout.layers:
+    layer = stats.layers[spec.name]
+    for rows, scale in (factors.input_rows(spec, layer, jnp.float32),
+                        factors.cotangent_rows(spec, layer, jnp.float32)):
+      full = np.asarray(scale * rows.T @ rows, np.float64)
+      full += np.sqrt(DAMPING) * np.eye(len(full))
+      mask = np.zeros_like(full)
+      for start in range(0, len(full), block_size):
+        mask[start:start + block_size, start:start + block_size] = 1.0
+      top_full = np.linalg.eigvalsh(full)[-1]
+      top_split = np.linalg.eigvalsh(full * mask)[-1]
+      losses.append(1.0 - top_split / top_full)
+  return np.asarray(losses)
+
+
+class Setup:
+  """One model, one batch of real digits, its gradients and statistics, and an SGD step."""
+
+  def __init__(self, task: str, batch_size: int, repeats: int):
+    train, _ = mnist.load_mnist(seed=0)
+    self.model = mnist.MODELS[task]()
+    self.x = jnp.asarray(train.x[:batch_size])
+    self.y = jnp.asarray(train.y[:batch_size])
+    self.params = self.model.init(jax.random.PRNGKey(0), self.x)["params"]
+    self.capture = jax.jit(value_and_grad_with_stats(self.model, mnist.loss_fn))
+    (_, self.grads), self.stats = self.capture(self.params, self.x, self.y)
+    self.repeats = repeats
+    sgd = optax.sgd(0.05, momentum=0.9)
+    self.sgd_ms = self.time_training_step(sgd, with_stats=False)
+
+  def loss(self, params):
+    return mnist.loss_fn(self.model.apply({"params": params}, self.x), self.y)
+
+  def time_training_step(self, tx, with_stats: bool) -> float:
+    """ms of a full jitted training step (gradients, ``tx.update``, ``apply_updates``)."""
+    x, y = self.x, self.y
+
+    @jax.jit
+    def step(params, state):
+      if with_stats:
+        (loss, grads), stats = self.capture(params, x, y)
+        updates, state = tx.update(grads, state, params, curvature_stats=stats)
+      else:
+        loss, grads = jax.value_and_grad(self.loss)(params)
+        updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state, loss
+
+    state = tx.init(self.params)
+    return median_ms(lambda: step(self.params, state), self.repeats)
+
+
+def refresh_table(setup: Setup, block_size: int) -> list[tuple[str, float, str]]:
+  """Rows ``(what, ms, blocks refreshed)`` of table 1."""
+  params, grads = setup.params, setup.grads
+  layout = blocks.build_layout(params, block_size)
+  tx = thor_optax.scale_by_thor(DAMPING, block_size=block_size, trace_thresholds=(0.01, 0.0))
+  check = jax.jit(lambda s, st: tx.update(grads, s, params, curvature_stats=st))
+  plain = jax.jit(lambda s: tx.update(grads, s, params))
+  _, state = check(tx.init(params), setup.stats)
+  total = sum(spec.a.num_blocks + spec.g.num_blocks for spec in layout.layers)
+  rows = [("optax SGD-momentum training step", setup.sgd_ms, ""),
+          ("capture (loss, grads, statistics)",
+           median_ms(lambda: setup.capture(params, setup.x, setup.y), setup.repeats), ""),
+          ("update without statistics", median_ms(lambda: plain(state), setup.repeats), "")]
+  for fraction in (0.0, 0.125, 0.25, 0.5, 1.0):
+    jumped = jump_blocks(setup.stats, layout, fraction)
+    _, after = check(state, jumped)
+    refreshed = sum(int(d.blocks_refreshed) for d in after.diagnostics.values())
+    ms = median_ms(lambda: check(state, jumped), setup.repeats)
+    rows.append((f"update with statistics, {fraction:.3g} jumped", ms, f"{refreshed}/{total}"))
+  return rows
+
+
+def block_size_table(setup: Setup, sizes: list[int]) -> list[tuple]:
+  """Rows ``(b, median L, share L < 1%, plain step / SGD, check step / SGD)`` of table 2."""
+  rows = []
+  for b in sizes:
+    loss = information_loss(setup.stats, setup.params, b)
+    tx = thor_optax.thor(0.05, DAMPING, block_size=b, trace_thresholds=(0.0, 0.0))
+    plain = setup.time_training_step(tx, with_stats=False)
+    check = setup.time_training_step(tx, with_stats=True)
+    rows.append((b, float(np.median(loss)), float(np.mean(loss < 0.01)),
+                 plain / setup.sgd_ms, check / setup.sgd_ms))
+  return rows
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--tasks", nargs="+", default=["mlp", "cnn"], choices=mnist.TASKS)
+  parser.add_argument("--block-size", type=int, default=128, help="block size of table 1")
+  parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64, 128, 256],
+                      help="candidates of table 2")
+  parser.add_argument("--batch-size", type=int, default=128)
+  parser.add_argument("--repeats", type=int, default=30)
+  args = parser.parse_args(argv)
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} CPU cores")
+  for task in args.tasks:
+    setup = Setup(task, args.batch_size, args.repeats)
+    print(f"\n[{task}] 1. cost of a curvature check by blocks refreshed "
+          f"(block size {args.block_size}, batch {args.batch_size})")
+    print(f"{'':44s} {'ms':>8s} {'x SGD step':>11s} {'blocks refreshed':>17s}")
+    for what, ms, refreshed in refresh_table(setup, args.block_size):
+      print(f"{what:44s} {ms:8.2f} {ms / setup.sgd_ms:11.2f} {refreshed:>17s}")
+    print(f"\n[{task}] 2. hardware-driven split: information loss vs step cost "
+          f"(SGD step {setup.sgd_ms:.2f} ms)")
+    print(f"{'block':>6s} {'median L':>10s} {'L < 1%':>8s} {'plain step':>11s} "
+          f"{'check step':>11s}   (steps as multiples of an SGD step)")
+    for b, med, share, plain, check in block_size_table(setup, args.block_sizes):
+      print(f"{b:6d} {med:10.4f} {share:8.0%} {plain:11.2f} {check:11.2f}")
+
+
+if __name__ == "__main__":
+  main()
