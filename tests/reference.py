@@ -48,3 +48,42 @@ def squared_error(out, y):
 def softmax_ce(out, y):
   """Softmax cross-entropy with integer labels, averaged over examples."""
   return optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
+
+
+def same_or_explicit_pads(sizes, eff_kernel, strides, padding):
+  if padding == "VALID":
+    return ((0, 0), (0, 0))
+  if padding == "SAME":  # lax.padtype_to_pads: out = ceil(in / s), extra pad on the high side
+    pads = []
+    for size, k, s in zip(sizes, eff_kernel, strides):
+      out = -(-size // s)
+      total = max((out - 1) * s + k - size, 0)
+      pads.append((total // 2, total - total // 2))
+    return tuple(pads)
+  return tuple(tuple(p) for p in padding)
+
+
+def im2col(x, kernel_size, strides, padding, kernel_dilation=(1, 1),
+                     input_dilation=(1, 1)):
+  """Patches ``(N, H_out, W_out, k_h, k_w, C)`` of ``x (N, H, W, C)``, one loop per position."""
+  x = np.asarray(x)
+  n, h, w, c = x.shape
+  kh, kw = kernel_size
+  hd, wd = (h - 1) * input_dilation[0] + 1, (w - 1) * input_dilation[1] + 1
+  xd = np.zeros((n, hd, wd, c), x.dtype)
+  xd[:, ::input_dilation[0], ::input_dilation[1]] = x
+  eff = ((kh - 1) * kernel_dilation[0] + 1, (kw - 1) * kernel_dilation[1] + 1)
+  # (lax rejects string padding together with input dilation, so SAME/VALID see hd = h.)
+  (plh, phh), (plw, phw) = same_or_explicit_pads((h, w), eff, strides, padding)
+  ho = (hd + plh + phh - eff[0]) // strides[0] + 1
+  wo = (wd + plw + phw - eff[1]) // strides[1] + 1
+  patches = np.zeros((n, ho, wo, kh, kw, c), x.dtype)
+  for i in range(ho):
+    for j in range(wo):
+      for a in range(kh):
+        for b in range(kw):
+          r = i * strides[0] + a * kernel_dilation[0] - plh
+          q = j * strides[1] + b * kernel_dilation[1] - plw
+          if 0 <= r < hd and 0 <= q < wd:
+            patches[:, i, j, a, b, :] = xd[:, r, q, :]
+  return patches

@@ -133,39 +133,10 @@ def test_single_example_empirical_fisher_is_gradient_outer_product():
 # Independent NumPy factors: explicit im2col loops, features in the kernel's HWIO order.
 
 
-def _same_pads(sizes, eff_kernel, strides):
-  pads = []
-  for size, k, s in zip(sizes, eff_kernel, strides):
-    out = -(-size // s)
-    total = max((out - 1) * s + k - size, 0)
-    pads.append((total // 2, total - total // 2))
-  return pads
-
-
 def _im2col(x, kernel_size, strides, padding, kernel_dilation=(1, 1)):
   """``(N, H_out, W_out, k_h * k_w * C)`` patches, ``(k_h, k_w, C)`` order, by loops."""
-  n, h, w, c = x.shape
-  kh, kw = kernel_size
-  eff = ((kh - 1) * kernel_dilation[0] + 1, (kw - 1) * kernel_dilation[1] + 1)
-  if padding == "VALID":
-    pads = [(0, 0), (0, 0)]
-  elif padding == "SAME":
-    pads = _same_pads((h, w), eff, strides)
-  else:
-    pads = padding
-  (plh, phh), (plw, phw) = pads
-  ho = (h + plh + phh - eff[0]) // strides[0] + 1
-  wo = (w + plw + phw - eff[1]) // strides[1] + 1
-  out = np.zeros((n, ho, wo, kh, kw, c))
-  for i in range(ho):
-    for j in range(wo):
-      for a in range(kh):
-        for b in range(kw):
-          r = i * strides[0] + a * kernel_dilation[0] - plh
-          q = j * strides[1] + b * kernel_dilation[1] - plw
-          if 0 <= r < h and 0 <= q < w:
-            out[:, i, j, a, b, :] = x[:, r, q, :]
-  return out.reshape(n, ho, wo, -1)
+  patches = reference.im2col(x, kernel_size, strides, padding, kernel_dilation)
+  return patches.reshape(patches.shape[:3] + (-1,))
 
 
 def _reference_factors(layer_stats, has_bias, conv=None):

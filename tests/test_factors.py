@@ -41,49 +41,6 @@ def _package_factors(params, stats, name):
   return np.asarray(a_rows), float(a_scale), np.asarray(g_rows), float(g_scale)
 
 
-# ------------------------------------------------------------------------------------------------
-# NumPy im2col reference (explicit loops).
-
-
-def _pads(sizes, eff_kernel, strides, padding):
-  if padding == "VALID":
-    return ((0, 0), (0, 0))
-  if padding == "SAME":  # lax.padtype_to_pads: out = ceil(in / s), extra pad on the high side
-    pads = []
-    for size, k, s in zip(sizes, eff_kernel, strides):
-      out = -(-size // s)
-      total = max((out - 1) * s + k - size, 0)
-      pads.append((total // 2, total - total // 2))
-    return tuple(pads)
-  return tuple(tuple(p) for p in padding)
-
-
-def im2col_reference(x, kernel_size, strides, padding, kernel_dilation=(1, 1),
-                     input_dilation=(1, 1)):
-  """Patches ``(N, H_out, W_out, k_h, k_w, C)`` of ``x (N, H, W, C)``, one loop per position."""
-  x = np.asarray(x)
-  n, h, w, c = x.shape
-  kh, kw = kernel_size
-  hd, wd = (h - 1) * input_dilation[0] + 1, (w - 1) * input_dilation[1] + 1
-  xd = np.zeros((n, hd, wd, c), x.dtype)
-  xd[:, ::input_dilation[0], ::input_dilation[1]] = x
-  eff = ((kh - 1) * kernel_dilation[0] + 1, (kw - 1) * kernel_dilation[1] + 1)
-  # (lax rejects string padding together with input dilation, so SAME/VALID see hd = h.)
-  (plh, phh), (plw, phw) = _pads((h, w), eff, strides, padding)
-  ho = (hd + plh + phh - eff[0]) // strides[0] + 1
-  wo = (wd + plw + phw - eff[1]) // strides[1] + 1
-  patches = np.zeros((n, ho, wo, kh, kw, c), x.dtype)
-  for i in range(ho):
-    for j in range(wo):
-      for a in range(kh):
-        for b in range(kw):
-          r = i * strides[0] + a * kernel_dilation[0] - plh
-          q = j * strides[1] + b * kernel_dilation[1] - plw
-          if 0 <= r < hd and 0 <= q < wd:
-            patches[:, i, j, a, b, :] = xd[:, r, q, :]
-  return patches
-
-
 class OneConv(nn.Module):
   """One conv layer, then a nonlinearity and a spatial mean: outputs ``(N, C_out)``."""
   features: int
@@ -149,7 +106,7 @@ def test_conv_factors_match_loop_im2col(name):
   assert layer.padding == (padding if isinstance(padding, str) else tuple(padding))
   np.testing.assert_array_equal(layer.inputs, x)
 
-  ref = im2col_reference(layer.inputs, ksize, strides, padding, kdil, idil)
+  ref = reference.im2col(layer.inputs, ksize, strides, padding, kdil, idil)
   _, ho, wo = ref.shape[:3]
   kh, kw = ksize
   d_in = c_in * kh * kw

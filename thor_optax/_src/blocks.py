@@ -163,7 +163,7 @@ def find_kernels(tree: Any) -> list[tuple[tuple[str, ...], tuple[int, ...], bool
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   leaves = {}
   for path, leaf in flat:
-    keys = tuple(stats_lib.path_name((k,)) for k in path)
+    keys = stats_lib.path_keys(path)
     leaves[keys] = leaf
   found = []
   for keys, leaf in leaves.items():

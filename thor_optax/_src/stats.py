@@ -108,7 +108,7 @@ def flatten_layer_stats(stats: CurvatureStats | Mapping[str, Any]) -> dict[str, 
   flat, _ = jax.tree_util.tree_flatten_with_path(layers, is_leaf=is_layer_stats)
   out = {}
   for path, leaf in flat:
-    name = path_name(path)
+    name = "/".join(path_keys(path))
     if not is_layer_stats(leaf):
       raise TypeError(
           f"curvature_stats: entry {name!r} is a {type(leaf).__name__}, expected DenseStats "
@@ -117,14 +117,6 @@ def flatten_layer_stats(stats: CurvatureStats | Mapping[str, Any]) -> dict[str, 
   return out
 
 
-def path_name(path: tuple[Any, ...]) -> str:
-  """``/``-joined name of a pytree key path (``(DictKey('a'), DictKey('b'))`` -> ``'a/b'``)."""
-  parts = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
+def path_keys(path: tuple[Any, ...]) -> tuple[str, ...]:
+  """A pytree key path as plain strings (``(DictKey('a'), DictKey('b'))`` -> ``('a', 'b')``)."""
+  return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)

@@ -284,7 +284,7 @@ def precondition(updates: Any, inverses: dict[str, jax.Array],
     a tree like ``updates``; leaves outside dense/conv layers are returned as they are.
   """
   new_leaves = {}
-  flat = {tuple(stats_lib.path_name((k,)) for k in path): leaf
+  flat = {stats_lib.path_keys(path): leaf
           for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]}
   for spec in layout.layers:
     kernel = flat[spec.path + ("kernel",)]
@@ -301,7 +301,7 @@ def precondition(updates: Any, inverses: dict[str, jax.Array],
       new_leaves[spec.path + ("bias",)] = y[spec.d_in].astype(bias.dtype)
 
   def pick(path, leaf):
-    return new_leaves.get(tuple(stats_lib.path_name((k,)) for k in path), leaf)
+    return new_leaves.get(stats_lib.path_keys(path), leaf)
 
   return jax.tree_util.tree_map_with_path(pick, updates)
 
