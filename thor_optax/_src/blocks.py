@@ -278,17 +278,6 @@ def right_multiply(x: jax.Array, blocks: jax.Array) -> jax.Array:
   return y.reshape(x.shape[0], n * b)[:, :d]
 
 
-def block_diag(blocks: np.ndarray | jax.Array, dim: Optional[int] = None) -> np.ndarray:
-  """Dense ``blockdiag(blocks)`` (NumPy), cut to ``dim x dim``; for tests and diagnostics."""
-  blocks = np.asarray(blocks)
-  n, b, _ = blocks.shape
-  out = np.zeros((n * b, n * b), blocks.dtype)
-  for k in range(n):
-    out[k * b:(k + 1) * b, k * b:(k + 1) * b] = blocks[k]
-  dim = n * b if dim is None else dim
-  return out[:dim, :dim]
-
-
 # ------------------------------------------------------------------------------------------------
 # Masked refresh with a static budget.
 
