@@ -174,7 +174,7 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout,
   trace_now = {g: jnp.zeros((n,), dtype) for g, (_, n) in layout.groups.items()}
   block_damping = {g: jnp.ones((n,), dtype) for g, (_, n) in layout.groups.items()}
   valid = {g: jnp.zeros((n,), bool) for g, (_, n) in layout.groups.items()}
-  rows_of = []  # (slot, rows, scale) for every factor with statistics
+  rows_of = {}  # FactorSlot -> (rows, scale), for every factor with statistics
   for spec in layout.layers:
     if spec.name not in flat:
       continue
@@ -194,7 +194,7 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout,
       trace_now[g] = trace_now[g].at[slot.start:slot.stop].set(damped)
       block_damping[g] = block_damping[g].at[slot.start:slot.stop].set(d)
       valid[g] = valid[g].at[slot.start:slot.stop].set(finite)
-      rows_of.append((slot, rows, scale))
+      rows_of[slot] = (rows, scale)
 
   decision = {
       g: trace.trace_rule(trace_now[g], state.trace_ref[g], state.frozen[g], valid[g],
@@ -204,15 +204,13 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout,
 
   # Covariance blocks, formed only for the blocks due (per factor: its rows are its own).
   cov_parts = {g: [] for g in layout.groups}
-  with_rows = {(slot.group, slot.start): (slot, rows, scale) for slot, rows, scale in rows_of}
   for spec in layout.layers:
     for slot in (spec.a, spec.g):
       zeros = jnp.zeros((slot.num_blocks, slot.block, slot.block), dtype)
-      entry = with_rows.get((slot.group, slot.start))
-      if entry is None:
+      if slot not in rows_of:
         cov_parts[slot.group].append(zeros)
         continue
-      _, rows, scale = entry
+      rows, scale = rows_of[slot]
       mask = _slice(decision[slot.group].refresh, slot)
       cov, _ = blocks.masked_block_update(
           mask, zeros,
