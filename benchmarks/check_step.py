@@ -123,25 +123,12 @@ class Setup:
     sgd = optax.sgd(0.05, momentum=0.9)
     self.sgd_ms = self.time_training_step(sgd, with_stats=False)
 
-  def loss(self, params):
-    return mnist.loss_fn(self.model.apply({"params": params}, self.x), self.y)
-
   def time_training_step(self, tx, with_stats: bool) -> float:
-    """ms of a full jitted training step (gradients, ``tx.update``, ``apply_updates``)."""
-    x, y = self.x, self.y
-
-    @jax.jit
-    def step(params, state):
-      if with_stats:
-        (loss, grads), stats = self.capture(params, x, y)
-        updates, state = tx.update(grads, state, params, curvature_stats=stats)
-      else:
-        loss, grads = jax.value_and_grad(self.loss)(params)
-        updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state, loss
-
+    """ms of a full training step of ``benchmarks/mnist.py`` (check step or plain step)."""
+    check_step, plain_step = mnist.make_steps(self.model, tx)
+    step = check_step if with_stats else plain_step
     state = tx.init(self.params)
-    return median_ms(lambda: step(self.params, state), self.repeats)
+    return median_ms(lambda: step(self.params, state, self.x, self.y), self.repeats)
 
 
 def refresh_table(setup: Setup, block_size: int) -> list[tuple[str, float, str]]:
