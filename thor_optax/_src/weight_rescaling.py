@@ -1,0 +1,106 @@
+"""``rescale_weight_norms``: SP-NGD's rescaling of kernel norms after each step.
+
+SP-NGD trains without weight decay; instead, after each update, the weights of convolution and
+fully connected layers are rescaled to the norm their He initialization has in expectation:
+with ``Var(w_ij) = 2 / fan_in`` a kernel of ``fan_in * d_out`` entries has
+``E ||W||_F^2 = 2 d_out``. Here the norm is capped at ``sqrt(2 d_out)``: a kernel whose new
+value ``W + dW`` is longer is shrunk onto the sphere, a shorter one is left alone. Biases and
+the parameters of normalization layers are not rescaled.
+
+References:
+  Osawa et al., "Scalable and Practical Natural Gradient for Large-Scale and Large-Batch
+  Deep Learning", TPAMI 2020 (weight rescaling), and its implementation chainerkfac
+  (``NormalizeWeightUR``).
+  He et al., "Delving Deep into Rectifiers", ICCV 2015 (the initialization's variance).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from thor_optax._src import stats as stats_lib
+
+
+def he_norm(shape: tuple[int, ...]) -> float:
+  """``sqrt(2 d_out)`` with ``d_out = shape[-1]``: the expected Frobenius norm of a He-normal
+  kernel of ``shape`` (dense ``(d_in, d_out)``, conv HWIO)."""
+  return math.sqrt(2.0 * shape[-1])
+
+
+def _is_kernel(path: tuple[Any, ...], leaf: Any) -> bool:
+  keys = stats_lib.path_keys(path)
+  return bool(keys) and keys[-1] == "kernel" and jnp.ndim(leaf) >= 2
+
+
+def rescale_weight_norms(
+    max_norm: Optional[Callable[[tuple[int, ...]], float]] = None,
+) -> optax.GradientTransformation:
+  """Caps the Frobenius norm of every kernel after the step (SP-NGD's weight rescaling).
+
+  For every leaf whose last key-path entry is ``'kernel'`` and whose rank is at least 2 (dense
+  ``(d_in, d_out)``, conv HWIO ``(k_h, k_w, C_in, C_out)``): with ``w = param + update`` and
+  the cap ``c = max_norm(param.shape)`` (default ``sqrt(2 * shape[-1])``), if
+  ``||w||_F > c`` the update becomes ``(c / ||w||_F) * w - param``, so that the new parameter
+  ``param + update`` has norm ``c`` (up to rounding); otherwise the update is unchanged. Other
+  leaves (biases, normalization scales and offsets, embeddings, rank-1 ``kernel`` leaves) are
+  unchanged, as are kernels whose ``w`` is not finite. Norms are computed in at least float32;
+  the update keeps its dtype.
+
+  Put it last in the chain, after the learning rate and momentum (its updates are the final
+  parameter increments), e.g. ``optax.chain(scale_by_kfac(...), optax.sgd(lr, 0.9),
+  rescale_weight_norms())``; it replaces weight decay.
+
+  Args:
+    max_norm: ``shape -> cap`` (a positive float; the shape is the kernel's, a tuple of ints),
+      or ``None`` for ``sqrt(2 d_out)`` with ``d_out = shape[-1]``.
+
+  Returns:
+    a stateless ``optax.GradientTransformation`` (state ``optax.EmptyState``).
+
+  Raises:
+    ValueError: in ``update``, if ``params`` is ``None``, or if ``max_norm`` returns a Python
+      number that is not positive.
+
+  References:
+    Osawa et al., "Scalable and Practical Natural Gradient", TPAMI 2020; chainerkfac
+    ``NormalizeWeightUR``.
+  """
+  cap_of = he_norm if max_norm is None else max_norm
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def rescale(path, update, param):
+    if update is None or not _is_kernel(path, param):
+      return update
+    shape = tuple(int(s) for s in jnp.shape(param))
+    cap = cap_of(shape)
+    if isinstance(cap, (int, float)) and not cap > 0:
+      raise ValueError(f"max_norm must return a positive number, got {cap!r} for the kernel "
+                       f"at {jax.tree_util.keystr(path)} of shape {shape}.")
+    update = jnp.asarray(update)
+    param = jnp.asarray(param)
+    dtype = jnp.promote_types(jnp.promote_types(param.dtype, update.dtype), jnp.float32)
+    p, w = param.astype(dtype), param.astype(dtype) + update.astype(dtype)
+    norm = jnp.sqrt(jnp.sum(w * w))
+    cap = jnp.asarray(cap, dtype)
+    shrink = jnp.isfinite(norm) & (norm > cap)
+    rescaled = (cap / jnp.where(shrink, norm, 1.0)) * w - p
+    return jnp.where(shrink, rescaled.astype(update.dtype), update)
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError(
+          "rescale_weight_norms needs the current parameters: pass params to update, e.g. "
+          "tx.update(grads, state, params).")
+    new_updates = jax.tree_util.tree_map_with_path(
+        rescale, updates, params, is_leaf=lambda x: x is None)
+    return new_updates, state
+
+  return optax.GradientTransformation(init_fn, update_fn)
