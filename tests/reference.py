@@ -1,4 +1,4 @@
-"""Shared helpers of the float64 dense-reference tests (test_exactness.py, test_factors.py)."""
+"""Shared helpers of the float64 dense-reference tests (exactness, factors, methods)."""
 
 import jax
 import jax.numpy as jnp
@@ -87,3 +87,65 @@ def im2col(x, kernel_size, strides, padding, kernel_dilation=(1, 1),
           if 0 <= r < hd and 0 <= q < wd:
             patches[:, i, j, a, b, :] = xd[:, r, q, :]
   return patches
+
+
+# Independent NumPy factors and updates: explicit im2col loops, features in HWIO order.
+
+
+def stacked(layer_params):
+  """``[kernel; bias]`` as a ``(d_in (+1), d_out)`` NumPy matrix, kernel in its own order."""
+  k = np.asarray(layer_params["kernel"])
+  k = k.reshape(-1, k.shape[-1])
+  if "bias" in layer_params:
+    k = np.concatenate([k, np.asarray(layer_params["bias"])[None]], axis=0)
+  return k
+
+
+def im2col_rows(x, kernel_size, strides, padding, kernel_dilation=(1, 1)):
+  """``(N, H_out, W_out, k_h * k_w * C)`` patches, ``(k_h, k_w, C)`` order, by loops."""
+  patches = im2col(x, kernel_size, strides, padding, kernel_dilation)
+  return patches.reshape(patches.shape[:3] + (-1,))
+
+
+def reference_factors(layer_stats, has_bias, conv=None):
+  """NumPy ``A = (1/N) sum_{n,t} a a^T`` and ``G = (1/(N T)) sum_{s,n,t} g g^T``."""
+  x = np.asarray(layer_stats.inputs)
+  n = x.shape[0]
+  if conv is not None:
+    x = im2col_rows(x, **conv)
+  a = x.reshape(-1, x.shape[-1])
+  if has_bias:
+    a = np.concatenate([a, np.ones((a.shape[0], 1))], axis=1)
+  g = np.asarray(layer_stats.cotangents)
+  positions = int(np.prod(g.shape[1:-1]))
+  assert a.shape[0] == positions
+  g = g.reshape(-1, g.shape[-1])
+  return a.T @ a / n, g.T @ g / positions
+
+
+def kron_update(A, G, grad, damping_a, damping_g):
+  """``kron((A + d_A I)^-1, (G + d_G I)^-1) vec(dW)``, reshaped back to ``dW``'s shape."""
+  a_inv = np.linalg.inv(A + damping_a * np.eye(A.shape[0]))
+  g_inv = np.linalg.inv(G + damping_g * np.eye(G.shape[0]))
+  return (np.kron(a_inv, g_inv) @ grad.reshape(-1)).reshape(grad.shape)
+
+
+def unstack(mat, layer_params):
+  """Inverse of :func:`stacked`: ``{"kernel": ..., "bias": ...}`` in the layer's shapes."""
+  kernel_shape = layer_params["kernel"].shape
+  d_in = int(np.prod(kernel_shape[:-1]))
+  out = {"kernel": mat[:d_in].reshape(kernel_shape)}
+  if "bias" in layer_params:
+    out["bias"] = mat[d_in]
+  return out
+
+
+def block_part(F, b):
+  """Block-diagonal part of ``F`` under THOR's split (one block if ``dim <= b``)."""
+  d = F.shape[0]
+  if d <= b:
+    return F.copy()
+  out = np.zeros_like(F)
+  for s in range(0, d, b):
+    out[s:s + b, s:s + b] = F[s:s + b, s:s + b]
+  return out

@@ -24,6 +24,11 @@ from thor_optax._src import inverse
 
 import reference
 from reference import F64, init_params, randn, softmax_ce, squared_error
+from reference import block_part as _block_part
+from reference import kron_update as _kron_update
+from reference import reference_factors as _reference_factors
+from reference import stacked as _stacked
+from reference import unstack as _unstack
 from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
 
 
@@ -46,15 +51,6 @@ def _package_factors(params, stats, names):
     return out
 
   return jax.tree.map(np.asarray, run({name: stats.layers[name] for name in names}))
-
-
-def _stacked(layer_params):
-  """``[kernel; bias]`` as a ``(d_in (+1), d_out)`` NumPy matrix, kernel in its own order."""
-  k = np.asarray(layer_params["kernel"])
-  k = k.reshape(-1, k.shape[-1])
-  if "bias" in layer_params:
-    k = np.concatenate([k, np.asarray(layer_params["bias"])[None]], axis=0)
-  return k
 
 
 # ------------------------------------------------------------------------------------------------
@@ -128,59 +124,6 @@ def test_single_example_empirical_fisher_is_gradient_outer_product():
     v = _stacked(grads[name]).reshape(-1)
     assert np.abs(v).max() > 1e-3
     np.testing.assert_allclose(np.kron(*fac[name]), np.outer(v, v), rtol=RTOL, atol=1e-14)
-
-
-# ------------------------------------------------------------------------------------------------
-# Independent NumPy factors: explicit im2col loops, features in the kernel's HWIO order.
-
-
-def _im2col(x, kernel_size, strides, padding, kernel_dilation=(1, 1)):
-  """``(N, H_out, W_out, k_h * k_w * C)`` patches, ``(k_h, k_w, C)`` order, by loops."""
-  patches = reference.im2col(x, kernel_size, strides, padding, kernel_dilation)
-  return patches.reshape(patches.shape[:3] + (-1,))
-
-
-def _reference_factors(layer_stats, has_bias, conv=None):
-  """NumPy ``A = (1/N) sum_{n,t} a a^T`` and ``G = (1/(N T)) sum_{s,n,t} g g^T``."""
-  x = np.asarray(layer_stats.inputs)
-  n = x.shape[0]
-  if conv is not None:
-    x = _im2col(x, **conv)
-  a = x.reshape(-1, x.shape[-1])
-  if has_bias:
-    a = np.concatenate([a, np.ones((a.shape[0], 1))], axis=1)
-  g = np.asarray(layer_stats.cotangents)
-  positions = int(np.prod(g.shape[1:-1]))
-  assert a.shape[0] == positions
-  g = g.reshape(-1, g.shape[-1])
-  return a.T @ a / n, g.T @ g / positions
-
-
-def _kron_update(A, G, grad, damping_a, damping_g):
-  """``kron((A + d_A I)^-1, (G + d_G I)^-1) vec(dW)``, reshaped back to ``dW``'s shape."""
-  a_inv = np.linalg.inv(A + damping_a * np.eye(A.shape[0]))
-  g_inv = np.linalg.inv(G + damping_g * np.eye(G.shape[0]))
-  return (np.kron(a_inv, g_inv) @ grad.reshape(-1)).reshape(grad.shape)
-
-
-def _unstack(mat, layer_params):
-  kernel_shape = layer_params["kernel"].shape
-  d_in = int(np.prod(kernel_shape[:-1]))
-  out = {"kernel": mat[:d_in].reshape(kernel_shape)}
-  if "bias" in layer_params:
-    out["bias"] = mat[d_in]
-  return out
-
-
-def _block_part(F, b):
-  """Block-diagonal part of ``F`` under THOR's split (one block if ``dim <= b``)."""
-  d = F.shape[0]
-  if d <= b:
-    return F.copy()
-  out = np.zeros_like(F)
-  for s in range(0, d, b):
-    out[s:s + b, s:s + b] = F[s:s + b, s:s + b]
-  return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -348,14 +348,15 @@ def test_exact_softmax_fisher():
 
 
 class Odd(nn.Module):
-  """An embedding, a LayerNorm and a Dense applied twice: none can be captured."""
+  """A tied embedding, a GroupNorm and a Dense applied twice: none can be captured."""
 
   @nn.compact
   def __call__(self, tokens):
-    h = nn.Embed(7, 4, name="embed")(tokens)
-    h = nn.LayerNorm(name="norm")(h)
+    embed = nn.Embed(7, 4, name="embed")
+    h = nn.GroupNorm(num_groups=2, name="norm")(embed(tokens))
     shared = nn.Dense(4, name="shared")
     h = shared(jnp.tanh(shared(h)))
+    h = embed.attend(h)  # tied: the embedding is used twice
     return nn.Dense(3, name="head")(h.mean(axis=1))
 
 
@@ -369,7 +370,7 @@ def test_unhandled_modules_pass_through():
   unhandled = dict(s.split(": ", 1) for s in stats.unhandled)
   assert set(unhandled) == {"embed", "norm", "shared"}
   assert "shared layer" in unhandled["shared"] and "2 times" in unhandled["shared"]
-  assert "not supported" in unhandled["embed"] and "not supported" in unhandled["norm"]
+  assert "tied embedding" in unhandled["embed"] and "not supported" in unhandled["norm"]
 
   tx = thor_optax.scale_by_thor(0.1, block_size=None, trace_thresholds=(0.0, 0.0),
                               refresh_buckets=1)

@@ -3,16 +3,24 @@
 Public API (import from here or from ``thor_optax.flax``; never from ``thor_optax._src``):
 
 * ``scale_by_thor``, ``scale_by_kfac``: the preconditioners (``GradientTransformationExtraArgs``;
-  statistics go in as ``update(..., curvature_stats=stats)``).
-* ``thor``, ``kfac``: full optimizers (preconditioner, weight decay, momentum SGD).
+  statistics go in as ``update(..., curvature_stats=stats)``); the inversion methods, conv
+  statistics and refresh policies of THOR, SKFAC, KAISA and SP-NGD are their options.
+* ``thor``, ``kfac``, ``skfac``, ``kaisa``, ``spngd``: full optimizers (preconditioner, then
+  weight decay and momentum SGD, or SP-NGD's weight rescaling).
+* ``scale_by_kl_clip``: KAISA's KL clip around a preconditioner.
+* ``rescale_weight_norms``: SP-NGD's cap of kernel norms at ``sqrt(2 d_out)``.
 * ``thor_learning_rate_schedule``, ``thor_damping_schedule``: the paper's schedule shapes.
 * ``CheckSchedule``, ``growing_interval``: which steps are curvature-check steps.
 * ``KroneckerState``, ``LayerDiagnostics``: the transform state and its per-layer record.
-* ``DenseStats``, ``ConvStats``, ``CurvatureStats``: raw per-layer statistics.
+* ``DenseStats``, ``ConvStats``, ``EmbedStats``, ``NormStats``, ``CurvatureStats``: raw
+  per-layer statistics.
 * ``thor_optax.flax.value_and_grad_with_stats``: capture from an unchanged Flax linen model.
 """
 
+from thor_optax._src.alias import kaisa
 from thor_optax._src.alias import kfac
+from thor_optax._src.alias import skfac
+from thor_optax._src.alias import spngd
 from thor_optax._src.alias import thor
 from thor_optax._src.alias import thor_damping_schedule
 from thor_optax._src.alias import thor_learning_rate_schedule
@@ -20,11 +28,16 @@ from thor_optax._src.schedule import CheckSchedule
 from thor_optax._src.schedule import growing_interval
 from thor_optax._src.stats import ConvStats
 from thor_optax._src.stats import CurvatureStats
+from thor_optax._src.kl_clip import KLClipState
+from thor_optax._src.kl_clip import scale_by_kl_clip
 from thor_optax._src.stats import DenseStats
+from thor_optax._src.stats import EmbedStats
+from thor_optax._src.stats import NormStats
 from thor_optax._src.transform import KroneckerState
 from thor_optax._src.transform import LayerDiagnostics
 from thor_optax._src.transform import scale_by_kfac
 from thor_optax._src.transform import scale_by_thor
+from thor_optax._src.weight_rescaling import rescale_weight_norms
 
 __version__ = "0.1.0"
 
@@ -33,12 +46,20 @@ __all__ = (
     "ConvStats",
     "CurvatureStats",
     "DenseStats",
+    "EmbedStats",
+    "KLClipState",
     "KroneckerState",
     "LayerDiagnostics",
+    "NormStats",
     "growing_interval",
+    "kaisa",
     "kfac",
+    "rescale_weight_norms",
     "scale_by_kfac",
+    "scale_by_kl_clip",
     "scale_by_thor",
+    "skfac",
+    "spngd",
     "thor",
     "thor_damping_schedule",
     "thor_learning_rate_schedule",

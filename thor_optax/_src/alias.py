@@ -1,12 +1,20 @@
 """Full optimizers: the preconditioner chained with weight decay, momentum and a learning rate.
 
 THOR's order (MindSpore ``nn/optim/thor.py``, ``construct``): precondition the gradient, add
-weight decay to the *preconditioned* gradient, then momentum SGD (``ApplyMomentum``). Everything
-after the preconditioner is optax's own.
+weight decay to the *preconditioned* gradient, then momentum SGD (``ApplyMomentum``). SKFAC and
+KAISA keep that order (KAISA scales the preconditioned gradient by its KL clip first); SP-NGD
+replaces weight decay by rescaling the weights after the step. Everything after the
+preconditioner is optax's own.
 
 References:
   Chen et al., "THOR", AAAI 2021; MindSpore ResNet-50 THOR recipe (polynomial learning-rate
   decay, damping ``lambda_0 * decay^(epoch / 10)``).
+  Tang et al., "SKFAC", CVPR 2021 (official MindSpore code: current-batch factors, Woodbury,
+  conv reduce; damping 0.03).
+  Pauloski et al., "KAISA", SC 2021 (kfac-pytorch defaults: damping 0.001, factor decay 0.95,
+  KL clip 0.001, eigendecomposition, inverse every 10 factor updates in the ImageNet example).
+  Osawa et al., "Scalable and Practical Natural Gradient", TPAMI 2020 (empirical Fisher, pi
+  damping, newest statistics only, unit-wise BN Fisher, adaptive refresh, weight rescaling).
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ from typing import Any, Callable, Optional, Union
 
 import optax
 
+from thor_optax._src import kl_clip
 from thor_optax._src import transform
+from thor_optax._src import weight_rescaling
 
 ScalarOrSchedule = Union[float, optax.Schedule]
 
@@ -39,6 +49,7 @@ def thor(
     trace_thresholds: tuple[float, float] = (0.01, 0.0),
     ema_decay: Optional[float] = None,
     pi_damping: bool = False,
+    inverse_method: str = "cholesky",
 ) -> optax.GradientTransformationExtraArgs:
   """THOR: :func:`scale_by_thor`, then weight decay, then momentum SGD.
 
@@ -50,7 +61,8 @@ def thor(
     nesterov: Nesterov momentum.
     weight_decay: coefficient added to the preconditioned gradient (the paper: 5e-4).
     weight_decay_mask: optax mask (tree or callable) of the parameters that decay.
-    block_size, trace_thresholds, ema_decay, pi_damping: see :func:`scale_by_thor`. Under
+    block_size, trace_thresholds, ema_decay, pi_damping, inverse_method: see
+      :func:`scale_by_thor`. Under
       ``optax.inject_hyperparams`` list ``block_size`` in ``static_args``: it fixes shapes.
 
   Returns:
@@ -62,7 +74,8 @@ def thor(
   """
   return optax.chain(
       transform.scale_by_thor(damping, block_size=block_size, trace_thresholds=trace_thresholds,
-                              ema_decay=ema_decay, pi_damping=pi_damping),
+                              ema_decay=ema_decay, pi_damping=pi_damping,
+                              inverse_method=inverse_method),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -77,6 +90,8 @@ def kfac(
     ema_decay: Optional[float] = 0.95,
     block_size: Optional[int] = None,
     pi_damping: bool = False,
+    inverse_method: str = "cholesky",
+    inverse_period: transform.Period = 1,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC: :func:`scale_by_kfac`, then weight decay, then momentum SGD.
 
@@ -84,7 +99,8 @@ def kfac(
     learning_rate: float or optax schedule.
     damping: float or schedule of the step.
     momentum, nesterov, weight_decay, weight_decay_mask: as :func:`thor`.
-    ema_decay, block_size, pi_damping: see :func:`scale_by_kfac`.
+    ema_decay, block_size, pi_damping, inverse_method, inverse_period: see
+      :func:`scale_by_kfac` (``kfac(..., inverse_method='eigh')`` is KAISA without KL clip).
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -94,8 +110,143 @@ def kfac(
   """
   return optax.chain(
       transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
-                              pi_damping=pi_damping),
+                              pi_damping=pi_damping, inverse_method=inverse_method,
+                              inverse_period=inverse_period),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
+
+
+def skfac(
+    learning_rate: ScalarOrSchedule,
+    damping: ScalarOrSchedule = 0.03,
+    *,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    weight_decay_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    inverse_method: str = "auto",
+    conv_statistics: str = "reduce_sum",
+    spatial_samples: Optional[int] = None,
+    subsample_key: Optional[Any] = None,
+    block_size: Optional[int] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """SKFAC: current-batch factors inverted by Woodbury where they are low-rank, then momentum SGD.
+
+  :func:`scale_by_kfac` with ``ema_decay=None``, ``inverse_method='auto'`` (an ``m x m`` solve
+  for every factor with fewer rows ``m`` than dimensions: the dense layers' factors when the
+  batch is smaller than the width, and the conv factors after the reduction) and
+  ``conv_statistics='reduce_sum'``; then weight decay and momentum SGD as in :func:`thor`.
+
+  Args:
+    learning_rate: float or optax schedule (SKFAC: ``lr_0 0.87^epoch``, e.g.
+      ``optax.exponential_decay``).
+    damping: ``lambda`` (float or schedule); ``sqrt(lambda)`` per factor.
+    momentum, nesterov, weight_decay, weight_decay_mask: as :func:`thor`.
+    inverse_method: ``'auto'`` or ``'woodbury'`` (every factor by Woodbury).
+    conv_statistics, spatial_samples, subsample_key, block_size: see :func:`scale_by_thor`.
+
+  Returns:
+    an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` on check steps.
+
+  Raises:
+    ValueError: as :func:`scale_by_kfac`.
+  """
+  return optax.chain(
+      transform.scale_by_kfac(damping, ema_decay=None, block_size=block_size,
+                              inverse_method=inverse_method, conv_statistics=conv_statistics,
+                              spatial_samples=spatial_samples, subsample_key=subsample_key),
+      *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
+
+
+def kaisa(
+    learning_rate: ScalarOrSchedule,
+    damping: ScalarOrSchedule = 0.001,
+    *,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    weight_decay_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    ema_decay: float = 0.95,
+    inverse_period: transform.Period = 10,
+    max_kl: Optional[float] = 0.001,
+    block_size: Optional[int] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """KAISA: running-average factors, eigendecompositions every ``inverse_period`` steps, KL clip.
+
+  :func:`scale_by_kfac` with ``inverse_method='eigh'`` (exact damping of ``A (x) G``), wrapped
+  in :func:`scale_by_kl_clip`, then weight decay and momentum SGD. Statistics steps (the factor
+  period) are the training loop's, e.g. ``CheckSchedule(1)``; the eigendecompositions run at
+  the first statistics step at least ``inverse_period`` steps after the last.
+
+  Args:
+    learning_rate: float or optax schedule (also used by the KL clip).
+    damping: ``lambda`` added to the eigenvalue products (kfac-pytorch: 0.001).
+    momentum, nesterov, weight_decay, weight_decay_mask: as :func:`thor`.
+    ema_decay: running-average decay of the factors (kfac-pytorch ``factor_decay``: 0.95).
+    inverse_period: steps between eigendecompositions (int or schedule).
+    max_kl: KL-clip bound ``kappa``, or ``None`` for no clipping.
+    block_size: ``None`` (whole factors) or THOR's split size.
+
+  Returns:
+    an ``optax.GradientTransformationExtraArgs``.
+
+  Raises:
+    ValueError: as :func:`scale_by_kfac`.
+  """
+  pre = transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
+                                inverse_method="eigh", inverse_period=inverse_period)
+  if max_kl is not None:
+    pre = kl_clip.scale_by_kl_clip(pre, learning_rate, max_kl)
+  return optax.chain(
+      pre, *_first_order_tail(learning_rate, momentum, nesterov, weight_decay,
+                              weight_decay_mask))
+
+
+def spngd(
+    learning_rate: ScalarOrSchedule,
+    damping: ScalarOrSchedule = 0.001,
+    *,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    adaptive_refresh: Optional[float] = 0.1,
+    max_refresh_interval: int = 64,
+    ema_decay: Optional[float] = None,
+    rescale_weights: bool = True,
+    block_size: Optional[int] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """SP-NGD: pi-damped K-FAC with adaptive refresh, unit-wise normalization layers, rescaling.
+
+  :func:`scale_by_kfac` with ``pi_damping=True``, the newest statistics only
+  (``cov_ema_decay = 1`` in chainerkfac, i.e. ``ema_decay=None`` here) and
+  ``adaptive_refresh``; normalization layers get the unit-wise 2x2 Fisher whenever their
+  statistics are captured; then momentum SGD and, instead of weight decay, SP-NGD's weight
+  rescaling (:func:`rescale_weight_norms`). Capture with ``fisher_type='empirical'`` (the
+  default of ``value_and_grad_with_stats``), as SP-NGD does.
+
+  Args:
+    learning_rate: float or optax schedule (SP-NGD: constant, then polynomial decay).
+    damping: ``lambda`` (chainerkfac ImageNet: 2.5e-4 to 1e-4 at batch 4K-131K).
+    momentum, nesterov: momentum SGD.
+    adaptive_refresh: tolerance of the adaptive refresh (see :func:`scale_by_kfac`), or
+      ``None`` to refresh every block at every statistics step.
+    max_refresh_interval: cap on a block's interval, in steps.
+    ema_decay: running average of the factors (SP-NGD: ``None``).
+    rescale_weights: cap kernel norms at ``sqrt(2 d_out)`` after each step.
+    block_size: ``None`` or THOR's split size.
+
+  Returns:
+    an ``optax.GradientTransformationExtraArgs``.
+
+  Raises:
+    ValueError: as :func:`scale_by_kfac`.
+  """
+  tail = [optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)]
+  if rescale_weights:
+    tail.append(weight_rescaling.rescale_weight_norms())
+  return optax.chain(
+      transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
+                              pi_damping=True, adaptive_refresh=adaptive_refresh,
+                              max_refresh_interval=max_refresh_interval),
+      *tail)
 
 
 def thor_learning_rate_schedule(init_value: float, decay_steps: int, power: float,

@@ -60,15 +60,17 @@ class FactorSlot:
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-  """One preconditioned layer, found from its kernel's shape.
+  """One Kronecker-factored layer, found from its weight's shape.
 
   Attributes:
-    path: module path (keys from the parameter root to the dict holding ``kernel``).
-    kind: ``'dense'`` (2-D kernel ``(d_in, d_out)``) or ``'conv'`` (4-D HWIO kernel).
-    kernel_shape: the kernel's shape.
+    path: module path (keys from the parameter root to the dict holding the weight).
+    kind: ``'dense'`` (2-D ``kernel`` ``(d_in, d_out)``), ``'conv'`` (4-D HWIO ``kernel``) or
+      ``'embed'`` (2-D ``embedding`` ``(vocab, features)``, whose ``A`` is diagonal).
+    kernel_shape: the weight's shape.
     has_bias: whether a 1-D ``bias`` of length ``d_out`` sits beside the kernel (the input
       factor then gets a ones column: ``dim(A) = d_in + 1``).
-    a: slot of the input factor ``A``.
+    a: slot of the input factor ``A`` (``None`` for an embedding: its ``A`` is diagonal and
+      kept outside the block stacks).
     g: slot of the output-cotangent factor ``G``.
   """
 
@@ -76,12 +78,22 @@ class LayerSpec:
   kind: str
   kernel_shape: tuple[int, ...]
   has_bias: bool
-  a: FactorSlot
+  a: Optional[FactorSlot]
   g: FactorSlot
 
   @property
   def name(self) -> str:
     return "/".join(self.path)
+
+  @property
+  def param(self) -> str:
+    """Name of the weight leaf: ``'embedding'`` or ``'kernel'``."""
+    return "embedding" if self.kind == "embed" else "kernel"
+
+  @property
+  def slots(self) -> tuple[FactorSlot, ...]:
+    """The factor slots in the block stacks (``A`` then ``G``; ``G`` only for embeddings)."""
+    return tuple(s for s in (self.a, self.g) if s is not None)
 
   @property
   def d_in(self) -> int:
@@ -94,25 +106,51 @@ class LayerSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class UnitSpec:
+  """A normalization layer candidate: 1-D ``scale`` and/or ``bias`` of ``C`` channels, no kernel.
+
+  Its curvature is SP-NGD's unit-wise 2x2 Fisher per channel (``inverse.unitwise_fisher``); it
+  is preconditioned only when statistics (:class:`stats.NormStats`) arrive for it.
+
+  Attributes:
+    path: module path.
+    channels: ``C``.
+    has_scale: whether a ``scale`` leaf exists.
+    has_bias: whether a ``bias`` leaf exists.
+  """
+
+  path: tuple[str, ...]
+  channels: int
+  has_scale: bool
+  has_bias: bool
+
+  @property
+  def name(self) -> str:
+    return "/".join(self.path)
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockLayout:
   """Static description of all factor blocks of a parameter tree.
 
   Attributes:
-    layers: the preconditioned layers, sorted by path.
+    layers: the Kronecker-factored layers, sorted by path.
     groups: ``{group_key: (block_size, n_blocks)}``.
     block_size: the split size the layout was built with (``None``: no split).
+    units: normalization-layer candidates (unit-wise Fisher), sorted by path.
   """
 
   layers: tuple[LayerSpec, ...]
   groups: dict[str, tuple[int, int]]
   block_size: Optional[int]
+  units: tuple[UnitSpec, ...] = ()
 
   def real_dims(self, group: str) -> np.ndarray:
     """``(n_blocks, b)`` float array: 1 where a block row is a true dimension, 0 for padding."""
     b, n = self.groups[group]
     real = np.zeros((n, b), np.float32)
     for spec in self.layers:
-      for slot in (spec.a, spec.g):
+      for slot in spec.slots:
         if slot.group != group:
           continue
         flat = np.zeros(slot.padded_dim, np.float32)
@@ -150,30 +188,39 @@ def split_shape(dim: int, block_size: Optional[int]) -> tuple[int, int]:
   return min(_next_pow2(dim), block_size), 1
 
 
-def find_kernels(tree: Any) -> list[tuple[tuple[str, ...], tuple[int, ...], bool]]:
-  """Finds every ``kernel`` leaf of rank 2 (dense) or 4 (2-D conv) in a parameter tree.
+def find_layers(tree: Any) -> tuple[list, list]:
+  """Finds the Kronecker-factored layers and the normalization candidates of a parameter tree.
 
   Args:
     tree: nested dict of arrays (or ``jax.ShapeDtypeStruct``), e.g. Flax ``params``.
 
   Returns:
-    ``[(module_path, kernel_shape, has_bias), ...]`` sorted by path; ``has_bias`` is true when a
-    rank-1 ``bias`` of length ``kernel_shape[-1]`` is a sibling of the kernel.
+    ``(layers, units)``: ``layers`` is ``[(module_path, kind, weight_shape, has_bias), ...]``
+    for every ``kernel`` leaf of rank 2 (``'dense'``) or 4 (``'conv'``, 2-D HWIO) and every
+    ``embedding`` leaf of rank 2 (``'embed'``); ``has_bias`` is true when a rank-1 ``bias`` of
+    length ``shape[-1]`` is a sibling of a kernel. ``units`` is ``[UnitSpec, ...]`` for every
+    module whose leaves are a rank-1 ``scale`` and/or ``bias`` of one length and nothing else.
+    Both sorted by path.
   """
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  leaves = {}
+  modules: dict[tuple[str, ...], dict[str, Any]] = {}
   for path, leaf in flat:
     keys = stats_lib.path_keys(path)
-    leaves[keys] = leaf
-  found = []
-  for keys, leaf in leaves.items():
-    if keys[-1] != "kernel" or np.ndim(leaf) not in (2, 4):
-      continue
-    shape = tuple(int(s) for s in np.shape(leaf))
-    bias = leaves.get(keys[:-1] + ("bias",))
-    has_bias = bias is not None and tuple(np.shape(bias)) == (shape[-1],)
-    found.append((keys[:-1], shape, has_bias))
-  return sorted(found)
+    modules.setdefault(keys[:-1], {})[keys[-1]] = leaf
+  layers, units = [], []
+  for path, leaves in sorted(modules.items()):
+    shapes = {name: tuple(int(s) for s in np.shape(leaf)) for name, leaf in leaves.items()}
+    kernel = shapes.get("kernel")
+    if kernel is not None and len(kernel) in (2, 4):
+      has_bias = shapes.get("bias") == (kernel[-1],)
+      layers.append((path, "dense" if len(kernel) == 2 else "conv", kernel, has_bias))
+    elif "embedding" in shapes and len(shapes["embedding"]) == 2:
+      layers.append((path, "embed", shapes["embedding"], False))
+    elif set(shapes) <= {"scale", "bias"} and all(len(v) == 1 for v in shapes.values()):
+      if len(set(shapes.values())) == 1:
+        units.append(UnitSpec(path, next(iter(shapes.values()))[0], "scale" in shapes,
+                              "bias" in shapes))
+  return layers, units
 
 
 def build_layout(tree: Any, block_size: Optional[int]) -> BlockLayout:
@@ -184,7 +231,8 @@ def build_layout(tree: Any, block_size: Optional[int]) -> BlockLayout:
     block_size: THOR split size ``b`` (positive int), or ``None`` for unsplit factors.
 
   Returns:
-    the :class:`BlockLayout`; layers appear in path order, ``A`` before ``G``.
+    the :class:`BlockLayout`; layers appear in path order, ``A`` before ``G`` (an embedding
+    has only ``G`` in the stacks).
 
   Raises:
     ValueError: if ``block_size`` is not a positive integer or ``None``.
@@ -205,21 +253,20 @@ def build_layout(tree: Any, block_size: Optional[int]) -> BlockLayout:
     counts[block] = start + n
     return FactorSlot(dim=dim, block=block, start=start, num_blocks=n)
 
-  for path, shape, has_bias in find_kernels(tree):
-    kind = "dense" if len(shape) == 2 else "conv"
-    d_in = int(np.prod(shape[:-1])) + int(has_bias)
-    a = slot(d_in)
+  found, units = find_layers(tree)
+  for path, kind, shape, has_bias in found:
+    a = None if kind == "embed" else slot(int(np.prod(shape[:-1])) + int(has_bias))
     g = slot(shape[-1])
     layers.append(LayerSpec(path, kind, shape, has_bias, a, g))
   groups = {group_key(b): (b, n) for b, n in sorted(counts.items())}
-  return BlockLayout(tuple(layers), groups, block_size)
+  return BlockLayout(tuple(layers), groups, block_size, tuple(units))
 
 
 # ------------------------------------------------------------------------------------------------
 # Block arithmetic on a factor given as rows: F = scale * X^T X, X of shape (R, d).
 
 
-def _blocked(rows: jax.Array, slot: FactorSlot) -> jax.Array:
+def blocked_rows(rows: jax.Array, slot: FactorSlot) -> jax.Array:
   """``(R, d)`` rows -> ``(R, num_blocks, b)``, zero-padding the columns to ``b * num_blocks``."""
   pad = slot.padded_dim - rows.shape[-1]
   if pad:
@@ -240,7 +287,7 @@ def block_traces(rows: jax.Array, scale: jax.Array | float, slot: FactorSlot) ->
   Returns:
     ``(num_blocks,)`` traces.
   """
-  return scale * jnp.sum(jnp.square(_blocked(rows, slot)), axis=(0, 2))
+  return scale * jnp.sum(jnp.square(blocked_rows(rows, slot)), axis=(0, 2))
 
 
 def block_covariances(rows: jax.Array, scale: jax.Array | float, slot: FactorSlot,
@@ -256,7 +303,7 @@ def block_covariances(rows: jax.Array, scale: jax.Array | float, slot: FactorSlo
   Returns:
     ``(K, b, b)``; padded rows/columns are zero.
   """
-  x = jnp.take(_blocked(rows, slot), idx, axis=1)
+  x = jnp.take(blocked_rows(rows, slot), idx, axis=1)
   return scale * jnp.einsum("rkb,rkc->kbc", x, x)
 
 

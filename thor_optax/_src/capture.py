@@ -1,11 +1,29 @@
 """Capture of curvature statistics from an unchanged Flax linen model.
 
 ``value_and_grad_with_stats(model, loss_fn)`` returns a function that, in one forward and one
-backward pass, gives the loss, the parameter gradients and every ``nn.Dense`` / ``nn.Conv``
-layer's input and output cotangent. It wraps ``model.apply`` in ``flax.linen.intercept_methods``:
-each captured layer's input is recorded and a zero perturbation is added to its output, so the
-cotangent of that perturbation, returned by the same ``jax.vjp`` that gives the parameter
-gradients, is the layer's output cotangent.
+backward pass, gives the loss, the parameter gradients and the curvature statistics of every
+captured layer. It wraps ``model.apply`` in ``flax.linen.intercept_methods``: each captured
+layer's input is recorded and a zero perturbation is added to its output, so the cotangent of
+that perturbation, returned by the same ``jax.vjp`` that gives the parameter gradients, is the
+layer's output cotangent.
+
+Captured layer kinds (a single call per forward pass each):
+
+* ``nn.Dense`` -> :class:`DenseStats` (input, output cotangents);
+* ``nn.Conv`` (2-D, one feature group, unmasked) -> :class:`ConvStats`;
+* ``nn.Embed`` (``__call__`` only; a module whose ``attend`` runs, e.g. tied input/output
+  embeddings, is shared and left alone) -> :class:`EmbedStats` (token ids, output cotangents);
+* ``nn.BatchNorm`` and ``nn.LayerNorm`` with scale and/or bias over the last axis only ->
+  :class:`NormStats` (per-example scale and bias gradients).
+
+For a normalization layer the interceptor also needs ``x_hat``, the normalized input before
+scale and bias. It is recomputed by applying an unbound clone of the module with
+``use_scale=False, use_bias=False`` (and the layer's output dtype) to the same arguments, with
+the layer's non-parameter collections (``batch_stats``) as read before the layer runs and
+``mutable=True`` so that a training-mode BatchNorm may update its (discarded) copy of the running
+statistics. The clone's statistics are the layer's own (the batch's, or the running averages),
+and ``x_hat`` is never formed as ``(y - bias) / scale``, which fails for a zero scale (zero-init
+residual BatchNorm). Model parameters, ``batch_stats`` and the model's outputs are untouched.
 
 Fisher types:
 
@@ -20,12 +38,13 @@ References:
   Martens & Grosse, K-FAC, ICML 2015, section 5 (sampled targets for the true Fisher).
   Osawa et al., SP-NGD, TPAMI 2020, "Fast estimation with empirical Fisher".
   kfac-jax ``tracer.py``: zero perturbations of layer outputs give output cotangents in one vjp.
+  Ioffe & Szegedy, "Batch Normalization", ICML 2015, section 3 (``y = scale * x_hat + bias``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
@@ -71,6 +90,54 @@ def _conv_metadata(mod: nn.Conv) -> tuple[Optional[dict], str]:
       input_dilation=_pair(mod.input_dilation),
       kernel_dilation=_pair(mod.kernel_dilation),
   ), ""
+
+
+_NORMS = (nn.BatchNorm, nn.LayerNorm)
+_CAPTURED_KINDS = (nn.Dense, nn.Conv, nn.Embed) + _NORMS
+
+
+def _canonical_axes(axes: Any, ndim: int) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return tuple(sorted({int(a) % ndim for a in axes}))
+
+
+def _norm_reason(mod: nn.Module, in_shape: tuple[int, ...]) -> str:
+  """Why a BatchNorm/LayerNorm call cannot be captured (``''`` if it can)."""
+  ndim = len(in_shape)
+  if ndim < 2:
+    return f"normalization input of shape {in_shape} has no batch axis"
+  if isinstance(mod, nn.BatchNorm):
+    feature_axes = _canonical_axes(mod.axis, ndim)
+    name = "axis"
+  else:
+    feature_axes = _canonical_axes(mod.feature_axes, ndim)
+    name = "feature_axes"
+  if feature_axes != (ndim - 1,):
+    return (f"{name}={feature_axes} on a rank-{ndim} input: only scale and bias over the last "
+            "axis are supported")
+  return ""
+
+
+def _primary_input(args: tuple, kwargs: dict) -> Any:
+  """The first argument of a layer's ``__call__`` (``inputs`` / ``x``), positional or not."""
+  if args:
+    return args[0]
+  for key in ("inputs", "x", "query"):
+    if key in kwargs:
+      return kwargs[key]
+  raise ValueError(f"cannot find the input among keyword arguments {sorted(kwargs)}")
+
+
+def _norm_stats(x_hat: jax.Array, g: jax.Array, has_scale: bool,
+                has_bias: bool) -> stats_lib.NormStats:
+  """Per-example scale and bias gradients from ``x_hat (N, ..., C)`` and ``g (S, N, ..., C)``."""
+  dtype = jnp.promote_types(x_hat.dtype, g.dtype)
+  g = g.astype(dtype)
+  positions = tuple(range(2, g.ndim - 1))
+  zeros = jnp.zeros(g.shape[:2] + g.shape[-1:], dtype)
+  scale_grads = (x_hat.astype(dtype)[None] * g).sum(positions) if has_scale else zeros
+  bias_grads = g.sum(positions) if has_bias else zeros
+  return stats_lib.NormStats(scale_grads=scale_grads, bias_grads=bias_grads)
 
 
 def _set_nested(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -137,7 +204,7 @@ def value_and_grad_with_stats(
     likelihood: Optional[str] = None,
     num_samples: int = 1,
     loss_reduction: str = "mean",
-) -> Callable[..., tuple[tuple[jax.Array, Any], stats_lib.CurvatureStats]]:
+) -> Callable[..., Any]:
   """Loss, gradients and per-layer curvature statistics in one forward and one backward pass.
 
   Args:
@@ -153,17 +220,36 @@ def value_and_grad_with_stats(
       (``N`` examples, or ``N * T`` positions), ``'sum'`` if it sums.
 
   Returns:
-    ``fn(params, inputs, targets, *, rng=None, **apply_kwargs)`` returning
-    ``((loss, grads), stats)``; ``grads`` mirrors ``params`` and ``stats`` is a
-    :class:`CurvatureStats` whose ``layers`` mirror ``params`` at every captured layer (inputs
-    ``(N, ..., d_in)`` or ``(N, H, W, C)``, cotangents ``(S, N, ..., d_out)``) and whose
-    ``unhandled`` lists modules with parameters that were not captured (shared layers,
-    unsupported kinds); their gradients pass through the transforms unchanged.
-    ``apply_kwargs`` go to ``model.apply`` (e.g. ``rngs=`` for dropout).
+    ``fn(params, inputs, targets, *, rng=None, model_state=None, mutable=False,
+    **apply_kwargs)``, which calls ``model.apply({"params": params, **model_state}, inputs,
+    mutable=mutable, **apply_kwargs)`` once and returns ``((loss, grads), stats)``, or
+    ``((loss, grads), stats, mutated)`` when ``mutable`` is not ``False`` or
+    ``capture_intermediates`` is set (as ``Module.apply``), where:
+
+    * ``grads`` mirrors ``params``;
+    * ``stats`` is a :class:`CurvatureStats` whose ``layers`` mirror ``params`` at every
+      captured layer: :class:`DenseStats` (inputs ``(N, ..., d_in)``, cotangents
+      ``(S, N, ..., d_out)``), :class:`ConvStats` (inputs ``(N, H, W, C)``),
+      :class:`EmbedStats` (ids ``(N, ...)``, cotangents ``(S, N, ..., features)``) or
+      :class:`NormStats` (``(S, N, C)`` per-example scale and bias gradients). Cotangents are
+      per example: ``N`` times those of a mean loss (``N`` = number of loss terms). Its
+      ``unhandled`` lists modules with parameters that were not captured (shared layers,
+      tied embeddings, normalization over other than the last axis, unsupported kinds); their
+      gradients pass through the transforms unchanged;
+    * ``mutated`` is the dict of updated collections exactly as ``model.apply(...,
+      mutable=mutable)`` returns it (e.g. ``{"batch_stats": ...}`` for a training-mode
+      BatchNorm).
+
+    ``model_state`` holds the model's other variable collections (e.g.
+    ``{"batch_stats": ...}``); ``mutable`` is ``Module.apply``'s (``False``, a collection name or
+    a list of names). Under ``jax.jit`` bind ``mutable`` with ``functools.partial`` (or make it
+    a static argument of a hashable value): it is not an array. ``apply_kwargs`` go to
+    ``model.apply`` (e.g. ``rngs=`` for dropout).
 
   Raises:
     ValueError: on an unknown ``fisher_type``, ``likelihood`` or ``loss_reduction``, a sampled
-      or exact Fisher without a ``likelihood``, or a sampled Fisher called without ``rng``.
+      or exact Fisher without a ``likelihood``, or ``num_samples < 1``; from ``fn``, for a
+      sampled Fisher called without ``rng`` or a ``model_state`` holding ``"params"``.
   """
   if fisher_type not in FISHER_TYPES:
     raise ValueError(f"fisher_type must be one of {FISHER_TYPES}, got {fisher_type!r}")
@@ -175,33 +261,49 @@ def value_and_grad_with_stats(
   if num_samples < 1:
     raise ValueError(f"num_samples must be >= 1, got {num_samples}")
 
-  def discover(params, inputs, apply_kwargs):
+  def returns_state(mutable, apply_kwargs):
+    """Whether ``model.apply`` returns ``(outputs, mutated)`` rather than ``outputs``."""
+    return mutable is not False or bool(apply_kwargs.get("capture_intermediates", False))
+
+  def apply(variables, inputs, mutable, apply_kwargs):
+    """``model.apply`` as ``(outputs, mutated)``, ``mutated = None`` if nothing is mutable."""
+    if not returns_state(mutable, apply_kwargs):
+      return model.apply(variables, inputs, **apply_kwargs), None
+    return model.apply(variables, inputs, mutable=mutable, **apply_kwargs)
+
+  def discover(params, model_state, inputs, mutable, apply_kwargs):
     """Shapes and metadata of every module call (an abstract pass, no FLOPs)."""
     calls: dict[tuple[str, ...], list] = {}
 
     def record(next_fun, args, kwargs, context):
       out = next_fun(*args, **kwargs)
       mod = context.module
-      if context.method_name == "__call__" and isinstance(mod, (nn.Dense, nn.Conv)):
+      method = context.method_name
+      if isinstance(mod, _CAPTURED_KINDS) and (
+          method == "__call__" or (method == "attend" and isinstance(mod, nn.Embed))):
         calls.setdefault(mod.path, []).append(
-            (mod, args[0].shape, jax.ShapeDtypeStruct(out.shape, out.dtype)))
+            (mod, method, _primary_input(args, kwargs).shape,
+             jax.ShapeDtypeStruct(out.shape, out.dtype)))
       return out
 
-    def run(p, x):
+    def run(p, state, x):
       with nn.intercept_methods(record):
-        return model.apply({"params": p}, x, **apply_kwargs)
+        return apply({"params": p, **state}, x, mutable, apply_kwargs)
 
-    jax.eval_shape(run, params, inputs)
+    jax.eval_shape(run, params, model_state, inputs)
     return calls
 
-  def fn(params, inputs, targets, *, rng=None, **apply_kwargs):
-    if fisher_type == "sampled" and rng is None:
-      raise ValueError("fisher_type='sampled' draws targets from the model: pass rng=<PRNGKey>.")
-    calls = discover(params, inputs, apply_kwargs)
+  def plan(calls, params):
+    """Which calls are captured (``path -> kind, metadata``) and why others are not."""
     unhandled: dict[tuple[str, ...], str] = {}
     captured: dict[tuple[str, ...], dict] = {}
     for path, seen in calls.items():
-      mod, in_shape, out = seen[0]
+      mod, _, in_shape, out = seen[0]
+      if isinstance(mod, _NORMS) and not (mod.use_scale or mod.use_bias):
+        continue  # no parameters, nothing to precondition
+      if isinstance(mod, nn.Embed) and any(method == "attend" for _, method, _, _ in seen):
+        unhandled[path] = "attend() used in the forward pass (tied embedding: shared layer)"
+        continue
       if len(seen) > 1:
         unhandled[path] = f"called {len(seen)} times per forward pass (shared layer)"
         continue
@@ -214,30 +316,72 @@ def value_and_grad_with_stats(
         if len(in_shape) < 4:
           unhandled[path] = f"conv input of shape {in_shape} has no batch axis"
           continue
-      captured[path] = dict(kind="conv" if isinstance(mod, nn.Conv) else "dense", meta=meta,
-                            out=out)
+        kind = "conv"
+      elif isinstance(mod, nn.Embed):
+        if not in_shape:
+          unhandled[path] = "embedding of a scalar id (no batch axis)"
+          continue
+        kind = "embed"
+      elif isinstance(mod, _NORMS):
+        reason = _norm_reason(mod, in_shape)
+        if reason:
+          unhandled[path] = reason
+          continue
+        kind = "norm"
+        meta = dict(has_scale=bool(mod.use_scale), has_bias=bool(mod.use_bias))
+      else:
+        kind = "dense"
+      captured[path] = dict(kind=kind, meta=meta, out=out)
     for path in _module_paths(params):
       if path not in captured and path not in unhandled:
         unhandled[path] = "module kind not supported"
+    return captured, unhandled
+
+  def fn(params, inputs, targets, *, rng=None, model_state: Optional[Mapping] = None,
+         mutable: Union[bool, str, Sequence[str]] = False, **apply_kwargs):
+    if fisher_type == "sampled" and rng is None:
+      raise ValueError("fisher_type='sampled' draws targets from the model: pass rng=<PRNGKey>.")
+    model_state = dict(model_state or {})
+    if "params" in model_state:
+      raise ValueError("model_state holds the non-parameter collections; pass params "
+                       "as the first argument.")
+    calls = discover(params, model_state, inputs, mutable, apply_kwargs)
+    captured, unhandled = plan(calls, params)
 
     perturbations = {path: jnp.zeros(c["out"].shape, c["out"].dtype)
                      for path, c in captured.items()}
+    norm_paths = {path for path, c in captured.items() if c["kind"] == "norm"}
 
     def forward(p, perts):
       layer_inputs = {}
+      in_clone = [False]  # the x_hat clone's own call passes through the interceptor
 
       def intercept(next_fun, args, kwargs, context):
         path = context.module.path
-        if context.method_name != "__call__" or path not in perts:
+        if in_clone[0] or context.method_name != "__call__" or path not in perts:
           return next_fun(*args, **kwargs)
-        layer_inputs[path] = args[0]
-        return next_fun(*args, **kwargs) + perts[path]
+        if path not in norm_paths:
+          layer_inputs[path] = args[0] if args else _primary_input(args, kwargs)
+          return next_fun(*args, **kwargs) + perts[path]
+        mod = context.module
+        # Non-parameter collections (batch_stats) as the layer sees them, before it updates them.
+        state = {col: v for col, v in mod.variables.items() if col != "params"}
+        out = next_fun(*args, **kwargs)
+        plain = mod.clone(parent=None, use_scale=False, use_bias=False, dtype=out.dtype)
+        in_clone[0] = True
+        try:
+          x_hat, _ = plain.apply(state, *args, mutable=True, **kwargs)
+        finally:
+          in_clone[0] = False
+        layer_inputs[path] = jax.lax.stop_gradient(x_hat)
+        return out + perts[path]
 
       with nn.intercept_methods(intercept):
-        outputs = model.apply({"params": p}, inputs, **apply_kwargs)
-      return outputs, layer_inputs
+        outputs, mutated = apply({"params": p, **model_state}, inputs, mutable, apply_kwargs)
+      return outputs, (layer_inputs, mutated)
 
-    outputs, vjp_fn, layer_inputs = jax.vjp(forward, params, perturbations, has_aux=True)
+    outputs, vjp_fn, (layer_inputs, mutated) = jax.vjp(
+        forward, params, perturbations, has_aux=True)
     loss, dloss = jax.value_and_grad(loss_fn)(outputs, targets)
     grads, layer_cts = vjp_fn(dloss.astype(outputs.dtype))
     n_examples = math.prod(outputs.shape[:-1]) if loss_reduction == "mean" else 1
@@ -256,10 +400,17 @@ def value_and_grad_with_stats(
         a = a.reshape((-1,) + a.shape[-3:])
         g = g.reshape((g.shape[0], -1) + g.shape[-3:])
         layer = stats_lib.ConvStats(inputs=a, cotangents=g, **c["meta"])
+      elif c["kind"] == "embed":
+        layer = stats_lib.EmbedStats(inputs=a, cotangents=g)
+      elif c["kind"] == "norm":
+        layer = _norm_stats(a, g, **c["meta"])
       else:
         layer = stats_lib.DenseStats(inputs=a, cotangents=g)
       _set_nested(layers, path, layer)
     notes = tuple(f"{'/'.join(p)}: {why}" for p, why in sorted(unhandled.items()))
-    return (loss, grads), stats_lib.CurvatureStats(layers=layers, unhandled=notes)
+    stats = stats_lib.CurvatureStats(layers=layers, unhandled=notes)
+    if not returns_state(mutable, apply_kwargs):
+      return (loss, grads), stats
+    return (loss, grads), stats, mutated
 
   return fn

@@ -1,9 +1,27 @@
-"""Damped inverses of stacked factor blocks: one batched Cholesky for a whole group.
+"""Damped inverses of stacked factor blocks, batched over a whole group of blocks.
+
+Three methods, all acting on a stack ``(K, b, b)`` at once:
+
+* :func:`cholesky_inverse` of the damped blocks (THOR, K-FAC);
+* :func:`eigh_factors`: eigendecomposition of the undamped blocks; the damping is applied to
+  the Kronecker product of two factors' eigenvalues when the gradient is preconditioned
+  (KAISA's inverse-free evaluation, ``transform.precondition``);
+* :func:`woodbury_inverse` from the rows behind a factor when there are fewer rows ``m`` than
+  dimensions ``b``: an ``m x m`` Cholesky instead of a ``b x b`` one (SKFAC).
+
+:func:`unitwise_inverse` inverts the damped 2x2 Fisher of every channel of a normalization layer
+in closed form (SP-NGD's unit-wise natural gradient).
 
 References:
   Chen et al., THOR, AAAI 2021: factor blocks inverted by Cholesky, ``(A + sqrt(lambda) I)^-1``
   per factor (MindSpore ``thor.py``: ``CholeskyTrsm``, then ``L^-T L^-1``).
   Martens & Grosse, K-FAC, ICML 2015, section 6.3 (factored Tikhonov damping, the pi rule).
+  Pauloski et al., "KAISA", SC 2021, and "Convolutional neural network training with
+  distributed K-FAC", SC 2020, section 3 (eigendecomposition, damping ``d_G d_A^T + gamma``).
+  Tang et al., "SKFAC", CVPR 2021, section 3 (Sherman-Morrison-Woodbury inverse of a
+  low-rank factor).
+  Osawa et al., "Scalable and Practical Natural Gradient", TPAMI 2020, section "Unit-wise
+  natural gradient" (2x2 per-channel Fisher of batch normalization).
 """
 
 from __future__ import annotations
@@ -48,3 +66,79 @@ def cholesky_inverse(matrices: jax.Array) -> jax.Array:
 def is_finite_block(x: jax.Array) -> jax.Array:
   """``(K,)`` bool: every entry of block ``k`` of ``x (K, ...)`` is finite."""
   return jnp.all(jnp.isfinite(x.reshape(x.shape[0], -1)), axis=1)
+
+
+def eigh_factors(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Eigendecomposition of a stack of symmetric PSD factor blocks, eigenvalues clamped at 0.
+
+  Args:
+    blocks: ``(K, b, b)`` undamped factor blocks (zero on padded rows/columns).
+
+  Returns:
+    ``(values, vectors)``: ``(K, b)`` eigenvalues ``>= 0`` and ``(K, b, b)`` orthonormal
+    eigenvectors (columns), ``blocks[k] = vectors[k] @ diag(values[k]) @ vectors[k].T``.
+  """
+  sym = 0.5 * (blocks + jnp.swapaxes(blocks, -1, -2))
+  values, vectors = jnp.linalg.eigh(sym)
+  return jnp.maximum(values, 0.0), vectors
+
+
+def woodbury_inverse(u: jax.Array, damping: jax.Array, real: jax.Array) -> jax.Array:
+  """Damped inverses ``(U U^T + d I)^-1`` of low-rank blocks by Sherman-Morrison-Woodbury.
+
+  ``(U U^T + d I_b)^-1 = (I_b - U (U^T U + d I_m)^-1 U^T) / d``: one batched ``m x m``
+  Cholesky instead of a ``b x b`` one, ``O(b m^2 + b^2 m + m^3)`` per block; cheaper than
+  :func:`cholesky_inverse` when ``m < b``.
+
+  Args:
+    u: ``(K, b, m)``, the factor block is ``U U^T`` (for ``F = scale * X^T X`` with rows
+      ``X (m, b)``, ``U = sqrt(scale) X^T``); padded rows of ``U`` are zero.
+    damping: ``(K,)`` value added to each block's true diagonal (``> 0``).
+    real: ``(K, b)``, 1 on true dimensions, 0 on identity padding.
+
+  Returns:
+    ``(K, b, b)`` the same inverse as ``cholesky_inverse(damp(U U^T, damping, real))``:
+    the damped inverse on true dimensions, the identity on padding; non-finite where the
+    factorization failed.
+  """
+  m = u.shape[-1]
+  d = damping[:, None, None]
+  core = jnp.einsum("kbi,kbj->kij", u, u) + d * jnp.eye(m, dtype=u.dtype)
+  core_inv = cholesky_inverse(core)
+  inv = (jnp.eye(u.shape[1], dtype=u.dtype) - jnp.einsum("kbi,kij,kcj->kbc", u, core_inv, u)) / d
+  mask = real[:, :, None] * real[:, None, :]
+  return inv * mask + (1.0 - real)[:, :, None] * jnp.eye(u.shape[1], dtype=u.dtype)
+
+
+def unitwise_fisher(scale_grads: jax.Array, bias_grads: jax.Array) -> jax.Array:
+  """Per-channel 2x2 empirical Fisher of a normalization layer's ``(scale, bias)``.
+
+  Args:
+    scale_grads: ``(S, N, C)`` per-example gradients of the scale.
+    bias_grads: ``(S, N, C)`` per-example gradients of the bias.
+
+  Returns:
+    ``(C, 2, 2)``: ``F_c = (1/N) sum_{s,n} [g_scale, g_bias]^T [g_scale, g_bias]`` at channel c.
+  """
+  g = jnp.stack([scale_grads, bias_grads], axis=-1)  # (S, N, C, 2)
+  return jnp.einsum("snci,sncj->cij", g, g) / g.shape[1]
+
+
+def unitwise_inverse(fisher: jax.Array, damping: jax.Array) -> jax.Array:
+  """Closed-form inverses of damped 2x2 blocks, ``(F_c + damping I)^-1``.
+
+  ``[[a, b], [b, c]]^-1 = [[c, -b], [-b, a]] / (a c - b^2)``.
+
+  Args:
+    fisher: ``(C, 2, 2)`` symmetric PSD blocks.
+    damping: scalar added to both diagonal entries (``> 0``).
+
+  Returns:
+    ``(C, 2, 2)`` inverses (non-finite where a block is singular).
+  """
+  a = fisher[:, 0, 0] + damping
+  c = fisher[:, 1, 1] + damping
+  b = 0.5 * (fisher[:, 0, 1] + fisher[:, 1, 0])
+  det = a * c - b * b
+  inv = jnp.stack([jnp.stack([c, -b], -1), jnp.stack([-b, a], -1)], -2)
+  return inv / det[:, None, None]

@@ -66,7 +66,42 @@ class ConvStats:
       default=(1, 1), metadata=dict(static=True))
 
 
-LayerStats = Union[DenseStats, ConvStats]
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EmbedStats:
+  """Statistics of one embedding lookup ``y = embedding[ids]`` (Flax ``nn.Embed``).
+
+  Attributes:
+    inputs: integer token ids, shape ``(N, ...)``; axis 0 indexes examples, further axes are
+      positions.
+    cotangents: per-example output cotangents, shape ``(S, N, ..., features)``.
+  """
+
+  inputs: jax.Array
+  cotangents: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NormStats:
+  """Per-example gradients of a normalization layer's scale and bias (BatchNorm, LayerNorm).
+
+  For ``y = scale * x_hat + bias`` over channels ``C`` (the last axis), the per-example
+  gradients are ``scale_grads[s, n] = sum_t x_hat[n, t] * g[s, n, t]`` and ``bias_grads[s, n] =
+  sum_t g[s, n, t]``, summed over the positions ``t`` an example covers, with ``g`` the
+  per-example output cotangents (scaled like :class:`DenseStats` cotangents). A layer without a
+  scale (or bias) has zeros there.
+
+  Attributes:
+    scale_grads: ``(S, N, C)``.
+    bias_grads: ``(S, N, C)``.
+  """
+
+  scale_grads: jax.Array
+  bias_grads: jax.Array
+
+
+LayerStats = Union[DenseStats, ConvStats, EmbedStats, NormStats]
 
 
 @jax.tree_util.register_dataclass
@@ -76,7 +111,8 @@ class CurvatureStats:
 
   Attributes:
     layers: nested dict mirroring the parameter tree; at every preconditioned layer's module
-      path it holds a :class:`DenseStats` or :class:`ConvStats` (for example
+      path it holds a :class:`DenseStats`, :class:`ConvStats`, :class:`EmbedStats` or
+      :class:`NormStats` (for example
       ``layers['Block_0']['Dense_1']`` for ``params['Block_0']['Dense_1']``).
     unhandled: static tuple of ``"path: reason"`` strings naming modules with parameters that
       were not captured; their gradients pass through the transforms unchanged.
@@ -89,7 +125,7 @@ class CurvatureStats:
 
 def is_layer_stats(x: Any) -> bool:
   """True for a single layer's statistics (a leaf when flattening ``CurvatureStats.layers``)."""
-  return isinstance(x, (DenseStats, ConvStats))
+  return isinstance(x, (DenseStats, ConvStats, EmbedStats, NormStats))
 
 
 def flatten_layer_stats(stats: CurvatureStats | Mapping[str, Any]) -> dict[str, LayerStats]:
@@ -111,8 +147,9 @@ def flatten_layer_stats(stats: CurvatureStats | Mapping[str, Any]) -> dict[str, 
     name = "/".join(path_keys(path))
     if not is_layer_stats(leaf):
       raise TypeError(
-          f"curvature_stats: entry {name!r} is a {type(leaf).__name__}, expected DenseStats "
-          "or ConvStats; build statistics with thor_optax.flax.value_and_grad_with_stats.")
+          f"curvature_stats: entry {name!r} is a {type(leaf).__name__}, expected DenseStats, "
+          "ConvStats, EmbedStats or NormStats; build statistics with "
+          "thor_optax.flax.value_and_grad_with_stats.")
     out[name] = leaf
   return out
 

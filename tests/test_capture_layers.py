@@ -1,0 +1,317 @@
+"""Capture of normalization layers, embeddings and mutable collections, against float64 references.
+
+* ``nn.BatchNorm`` (training and eval mode, dense and NHWC conv inputs, zero-init scale) and
+  ``nn.LayerNorm`` (with and without bias, over positions): the captured per-example scale and
+  bias gradients against rows of ``jax.jacrev`` of the vector of per-example losses of the
+  full-batch forward pass (batch statistics as computed on the whole batch), and the per-channel
+  Fisher built from them;
+* the exact Fisher's cotangent directions for a LayerNorm against the output Jacobian;
+* ``nn.Embed``: ids and per-example output cotangents against a forward pass written in
+  ``jnp``; a tied embedding (``attend``) and a twice-called one are left alone;
+* ``model_state`` / ``mutable``: updated ``batch_stats``, loss and gradients against
+  ``model.apply`` itself;
+* normalization over other than the last axis is reported as unhandled.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import thor_optax
+from thor_optax.flax import value_and_grad_with_stats
+
+from reference import F64, init_params, randn, softmax_ce, squared_error
+from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+def _norm(kind):
+  if kind == "bn":
+    return nn.BatchNorm(use_running_average=False, name="norm")
+  if kind == "bn_eval":
+    return nn.BatchNorm(use_running_average=True, name="norm")
+  if kind == "ln":
+    return nn.LayerNorm(name="norm")
+  assert kind == "ln_no_bias"
+  return nn.LayerNorm(use_bias=False, name="norm")
+
+
+class NormMLP(nn.Module):
+  """``Dense(5) -> norm -> act (-> mean over positions) -> Dense(3)``."""
+  norm: str
+  act: str = "tanh"
+
+  @nn.compact
+  def __call__(self, x):
+    h = _norm(self.norm)(nn.Dense(5, name="dense_in")(x))
+    h = getattr(jax.nn, self.act)(h)
+    if h.ndim == 3:
+      h = h.mean(axis=1)
+    return nn.Dense(3, name="head")(h)
+
+
+class ConvBN(nn.Module):
+  """``Conv(3, 3x3) -> BatchNorm (training) -> relu -> spatial mean -> Dense(3)``."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Conv(3, (3, 3), padding="SAME", name="conv")(x)
+    h = nn.relu(nn.BatchNorm(use_running_average=False, name="norm")(h))
+    return nn.Dense(3, name="head")(h.mean(axis=(1, 2)))
+
+
+NORM_CASES = {
+    # name: (model, input shape, zero scale)
+    "batchnorm_mlp": (NormMLP("bn", act="relu"), (6, 3), False),
+    "batchnorm_eval": (NormMLP("bn_eval"), (6, 3), False),
+    "batchnorm_zero_scale": (NormMLP("bn"), (6, 3), True),
+    "batchnorm_conv_nhwc": (ConvBN(), (3, 4, 4, 2), False),
+    "layernorm_positions": (NormMLP("ln"), (4, 3, 3), False),
+    "layernorm_no_bias": (NormMLP("ln_no_bias"), (5, 3), False),
+}
+
+
+def _model_state(model, x, seed=0):
+  """float64 ``batch_stats`` of the model's shapes (random means, positive variances)."""
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x))
+  if "batch_stats" not in shapes:
+    return {}
+  rng = np.random.default_rng(200 + seed)
+  stats = {}
+  for path, s in jax.tree_util.tree_flatten_with_path(shapes["batch_stats"])[0]:
+    name = path[-1].key
+    value = (0.3 * rng.standard_normal(s.shape) if name == "mean"
+             else 0.5 + rng.uniform(size=s.shape))
+    stats.setdefault(path[0].key, {})[name] = jnp.asarray(value, F64)
+  return {"batch_stats": stats}
+
+
+def _norm_problem(name):
+  model, shape, zero_scale = NORM_CASES[name]
+  x = jnp.asarray(randn(1, shape))
+  y = jnp.asarray(randn(2, (shape[0], 3)))
+  params = init_params(model, x)
+  if zero_scale:
+    params["norm"]["scale"] = jnp.zeros_like(params["norm"]["scale"])
+  state = _model_state(model, x)
+  training = isinstance(model, ConvBN) or model.norm == "bn"
+  return model, params, state, ["batch_stats"] if training else False, x, y
+
+
+def _apply(model, params, state, mutable, x):
+  if mutable:
+    return model.apply({"params": params, **state}, x, mutable=mutable)[0]
+  return model.apply({"params": params, **state}, x)
+
+
+@pytest.mark.parametrize("name", sorted(NORM_CASES))
+def test_norm_per_example_grads(name):
+  model, params, state, mutable, x, y = _norm_problem(name)
+  n = x.shape[0]
+  capture_fn = value_and_grad_with_stats(model, squared_error)
+
+  def per_example_losses(norm_params):  # full batch: batch statistics over all N examples
+    out = _apply(model, {**params, "norm": norm_params}, state, mutable, x)
+    return 0.5 * jnp.sum((out - y) ** 2, axis=-1)
+
+  @jax.jit
+  def run(params, state, x, y):
+    result = capture_fn(params, x, y, model_state=state, mutable=mutable)
+    return result[:2], jax.jacrev(per_example_losses)(params["norm"])
+
+  ((_, grads), stats), jac = run(params, state, x, y)
+  assert stats.unhandled == ()
+  layer = stats.layers["norm"]
+  assert isinstance(layer, thor_optax.NormStats)
+  c = params["norm"]["scale"].shape[0]
+  assert layer.scale_grads.shape == layer.bias_grads.shape == (1, n, c)
+  # loss = mean_n loss_n, so N * d(loss)/d(output) paired with x_hat is d(loss_n)/d(scale).
+  np.testing.assert_allclose(layer.scale_grads[0], jac["scale"], **TIGHT)
+  np.testing.assert_allclose(grads["norm"]["scale"], jac["scale"].mean(axis=0), **TIGHT)
+  assert np.abs(jac["scale"]).max() > 1e-3  # nonzero, also for a zero scale
+  if "bias" in jac:
+    np.testing.assert_allclose(layer.bias_grads[0], jac["bias"], **TIGHT)
+    np.testing.assert_allclose(grads["norm"]["bias"], jac["bias"].mean(axis=0), **TIGHT)
+    per_example = np.stack([jac["scale"], jac["bias"]], axis=-1)
+  else:
+    np.testing.assert_array_equal(layer.bias_grads, np.zeros((1, n, c)))
+    per_example = np.asarray(jac["scale"])[..., None]
+  # Per-channel Fisher F_c = (1/N) sum_n [g_scale, g_bias] [g_scale, g_bias]^T.
+  captured = np.stack([layer.scale_grads, layer.bias_grads], axis=-1)[..., :per_example.shape[-1]]
+  fisher_ref = np.einsum("nci,ncj->cij", per_example, per_example) / n
+  fisher = np.einsum("snci,sncj->cij", captured, captured) / n
+  np.testing.assert_allclose(fisher, fisher_ref, **TIGHT)
+
+
+def test_norm_exact_fisher_directions():
+  """Exact squared-error Fisher: direction ``k`` of ``scale_grads`` is ``d out[n, k]/d scale``."""
+  model, params, state, mutable, x, y = _norm_problem("layernorm_positions")
+  capture_fn = value_and_grad_with_stats(model, squared_error, fisher_type="exact",
+                                         likelihood="squared_error")
+
+  @jax.jit
+  def run(params, x, y):
+    out_jac = jax.jacrev(lambda q: model.apply({"params": {**params, "norm": q}}, x))
+    return capture_fn(params, x, y)[1], out_jac(params["norm"])
+
+  stats, jac = run(params, x, y)
+  layer = stats.layers["norm"]
+  assert layer.scale_grads.shape == (3, x.shape[0], 5)
+  np.testing.assert_allclose(layer.scale_grads, np.moveaxis(jac["scale"], 1, 0), **TIGHT)
+  np.testing.assert_allclose(layer.bias_grads, np.moveaxis(jac["bias"], 1, 0), **TIGHT)
+
+
+def test_mutable_batch_stats_match_apply():
+  model, params, state, mutable, x, y = _norm_problem("batchnorm_mlp")
+  capture_fn = value_and_grad_with_stats(model, squared_error)
+
+  def plain_loss(p):
+    out, mutated = model.apply({"params": p, **state}, x, mutable=["batch_stats"])
+    return squared_error(out, y), mutated
+
+  @jax.jit
+  def run(params, state, x, y):
+    return (capture_fn(params, x, y, model_state=state, mutable=["batch_stats"]),
+            capture_fn(params, x, y, model_state=state, mutable="batch_stats"),
+            jax.value_and_grad(plain_loss, has_aux=True)(params),
+            capture_fn(params, x, y, model_state=state, mutable=["batch_stats"],
+                       capture_intermediates=True)[2],
+            model.apply({"params": params, **state}, x, mutable=["batch_stats"],
+                        capture_intermediates=True)[1])
+
+  result, result_str, ((ref_loss, ref_mutated), ref_grads), inter, ref_inter = run(
+      params, state, x, y)
+  assert len(result) == 3 and len(result_str) == 3
+  # capture_intermediates adds 'intermediates', as in Module.apply (perturbations are zeros).
+  assert jax.tree.structure(inter) == jax.tree.structure(ref_inter)
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **TIGHT), inter, ref_inter)
+  (loss, grads), stats, mutated = result
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-14)
+  assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **TIGHT), grads, ref_grads)
+  assert jax.tree.structure(mutated) == jax.tree.structure(ref_mutated)
+  assert set(mutated) == {"batch_stats"}
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **TIGHT), mutated, ref_mutated)
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **TIGHT), result_str[2], mutated)
+  # The running statistics moved (the update is not a no-op the test would miss).
+  assert not np.allclose(mutated["batch_stats"]["norm"]["mean"],
+                         state["batch_stats"]["norm"]["mean"])
+  assert set(stats.layers) == {"dense_in", "norm", "head"}
+
+  with pytest.raises(ValueError, match="model_state"):
+    capture_fn(params, x, y, model_state={"params": params})
+
+
+class EmbedModel(nn.Module):
+  """``Embed(7, 4)`` on ``(N, T)`` ids -> tanh -> mean over positions -> Dense(3)."""
+
+  @nn.compact
+  def __call__(self, ids):
+    h = jnp.tanh(nn.Embed(7, 4, name="embed")(ids))
+    return nn.Dense(3, name="head")(h.mean(axis=1))
+
+
+def test_embed_ids_and_cotangents():
+  model = EmbedModel()
+  n, t = 5, 4
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, 7, (n, t)))
+  y = jnp.asarray(np.random.default_rng(1).integers(0, 3, n))
+  params = init_params(model, ids)
+  capture_fn = value_and_grad_with_stats(model, softmax_ce)
+
+  def head_loss(e):  # the model after the lookup, written in jnp
+    h = jnp.tanh(e).mean(axis=1)
+    return softmax_ce(h @ params["head"]["kernel"] + params["head"]["bias"], y)
+
+  @jax.jit
+  def run(params, ids, y):
+    return capture_fn(params, ids, y), jax.grad(head_loss)(params["embed"]["embedding"][ids])
+
+  ((_, grads), stats), de = run(params, ids, y)
+  assert stats.unhandled == ()
+  layer = stats.layers["embed"]
+  assert isinstance(layer, thor_optax.EmbedStats)
+  np.testing.assert_array_equal(layer.inputs, ids)
+  assert layer.cotangents.shape == (1, n, t, 4)
+  np.testing.assert_allclose(layer.cotangents[0], n * np.asarray(de), **TIGHT)
+  # sum_{n,t} onehot(ids)^T g = N * d(mean loss)/d(embedding).
+  onehot = np.eye(7)[np.asarray(ids)].reshape(-1, 7)
+  np.testing.assert_allclose(onehot.T @ np.asarray(layer.cotangents[0]).reshape(-1, 4) / n,
+                             grads["embed"]["embedding"], **TIGHT)
+
+
+class TiedEmbed(nn.Module):
+  """Input embedding reused as the output layer through ``attend``."""
+
+  @nn.compact
+  def __call__(self, ids):
+    embed = nn.Embed(7, 4, name="embed")
+    return embed.attend(jnp.tanh(nn.Dense(4, name="mix")(embed(ids))))
+
+
+class TwiceEmbed(nn.Module):
+  """One embedding looked up twice."""
+
+  @nn.compact
+  def __call__(self, ids):
+    embed = nn.Embed(7, 4, name="embed")
+    h = embed(ids) + embed((ids + 1) % 7)
+    return nn.Dense(7, name="head")(h)
+
+
+@pytest.mark.parametrize("model, reason", [(TiedEmbed(), "attend"), (TwiceEmbed(), "2 times")])
+def test_shared_embed_unhandled(model, reason):
+  ids = jnp.asarray(np.random.default_rng(2).integers(0, 7, (3, 4)))
+  y = jnp.asarray(np.random.default_rng(3).integers(0, 7, (3, 4)))
+  params = init_params(model, ids)
+  capture_fn = value_and_grad_with_stats(model, softmax_ce)
+
+  @jax.jit
+  def run(params, ids, y):
+    ref = jax.value_and_grad(lambda p: softmax_ce(model.apply({"params": p}, ids), y))(params)
+    return capture_fn(params, ids, y), ref
+
+  ((loss, grads), stats), (ref_loss, ref_grads) = run(params, ids, y)
+  unhandled = dict(s.split(": ", 1) for s in stats.unhandled)
+  assert set(unhandled) == {"embed"} and reason in unhandled["embed"]
+  assert set(stats.layers) == set(params) - {"embed"}
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-14)
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **TIGHT), grads, ref_grads)
+
+
+class OtherAxes(nn.Module):
+  """Normalizations with scale and bias over other than the last axis, and one without params."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm(reduction_axes=(1, 2), feature_axes=(1, 2), name="ln_12")(x)
+    h = nn.BatchNorm(use_running_average=True, axis=1, name="bn_axis1")(h)
+    h = nn.LayerNorm(use_scale=False, use_bias=False, name="ln_plain")(h)
+    return nn.Dense(2, name="head")(h.mean(axis=1))
+
+
+def test_norm_over_other_axes_unhandled():
+  model = OtherAxes()
+  x = jnp.asarray(randn(4, (3, 4, 5)))
+  y = jnp.asarray(randn(5, (3, 2)))
+  params = init_params(model, x)
+  state = _model_state(model, x)
+  capture_fn = value_and_grad_with_stats(model, squared_error)
+
+  @jax.jit
+  def run(params, state, x, y):
+    ref = jax.value_and_grad(
+        lambda p: squared_error(model.apply({"params": p, **state}, x), y))(params)
+    return capture_fn(params, x, y, model_state=state), ref
+
+  ((loss, grads), stats), (ref_loss, ref_grads) = run(params, state, x, y)
+  unhandled = dict(s.split(": ", 1) for s in stats.unhandled)
+  assert set(unhandled) == {"ln_12", "bn_axis1"}
+  assert "feature_axes=(1, 2)" in unhandled["ln_12"] and "last axis" in unhandled["ln_12"]
+  assert "axis=(1,)" in unhandled["bn_axis1"]
+  assert set(stats.layers) == {"head"}  # ln_plain has no parameters
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-14)
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **TIGHT), grads, ref_grads)
