@@ -15,6 +15,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.linalg
 
 import thor_optax
 from thor_optax._src import blocks
@@ -133,6 +134,73 @@ def test_auto_picks_woodbury_by_shape(wide):
   # With running averages the factor is not low-rank: auto falls back to Cholesky.
   assert _cholesky_sizes(thor_optax.scale_by_kfac(LAM, inverse_method="auto"),
                          params, grads, stats) == {11, 6, 3}
+
+
+class Wider(nn.Module):
+  """``A`` of dims 21 and 6: with 5 examples the first is far from full rank."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.Dense(6, name="Dense_0")(x))
+    return nn.Dense(3, name="Dense_1")(h)
+
+
+@pytest.fixture(scope="module")
+def wider():
+  model = Wider()
+  x = jnp.asarray(randn(6, (5, 20)))
+  y = jnp.asarray([0, 1, 2, 0, 1])
+  params = init_params(model, x, seed=6)
+  (_, grads), stats = reference.capture(model, softmax_ce)(params, x, y)
+  return model, params, grads, stats
+
+
+def _state_size(state):
+  return sum(np.size(leaf) for leaf in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("block_size,group", [(None, "b21r6"), (16, "b16r6")],
+                         ids=["whole", "split"])
+def test_low_rank_state_equals_dense_inverses(wider, block_size, group):
+  """``woodbury_rows=6`` for 5 rows: ``A`` of ``Dense_0`` kept as ``U (b, 6)`` and a 6 x 6 core."""
+  _, params, grads, stats = wider
+  kw = dict(ema_decay=None, block_size=block_size)
+  dense = thor_optax.scale_by_kfac(LAM, **kw)
+  low = thor_optax.scale_by_kfac(LAM, inverse_method="auto", woodbury_rows=6, **kw)
+  want, dense_state = _check(dense, params, grads, stats)
+  got, state = _check(low, params, grads, stats)
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-9, atol=1e-12), got, want)
+  n_blocks = 1 if block_size is None else 2
+  b = 21 if block_size is None else 16
+  assert state.woodbury_u[group].shape == (n_blocks, b, 6)
+  assert state.woodbury_core[group].shape == (n_blocks, 6, 6)
+  assert not any(g.startswith(f"b{b}") for g in state.inverses)  # no b x b inverse stored
+  assert _state_size(state) < _state_size(dense_state)
+  # The rows, zero-padded from 5 to 6 columns: U U^T is the factor's (block-diagonal part).
+  A, _ = reference_factors(stats.layers["Dense_0"], True)
+  u = np.asarray(state.woodbury_u[group])
+  assert np.all(u[:, :, 5] == 0)
+  np.testing.assert_allclose(scipy.linalg.block_diag(*(u @ np.swapaxes(u, 1, 2)))[:21, :21],
+                             A if block_size is None else block_part(A, 16), rtol=1e-10)
+  # A step without statistics uses the low-rank form too, and no b x b Cholesky is compiled.
+  plain = jax.jit(lambda g, s, tx: tx.update(g, s, None)[0], static_argnums=2)
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-9, atol=1e-12),
+               plain(grads, state, low), plain(grads, dense_state, dense))
+  assert b not in _cholesky_sizes(low, params, grads, stats)
+
+
+def test_low_rank_rows_overflow_names_the_layer(wider):
+  _, params, grads, stats = wider
+  tx = thor_optax.scale_by_kfac(LAM, ema_decay=None, inverse_method="woodbury", woodbury_rows=4)
+  with pytest.raises(ValueError, match=r"'Dense_0'.*5 rows.*woodbury_rows=4"):
+    tx.update(grads, tx.init(params), None, curvature_stats=stats)
+
+
+def test_low_rank_state_before_statistics_is_identity(wider):
+  _, params, grads, _ = wider
+  tx = thor_optax.scale_by_kfac(LAM, ema_decay=None, inverse_method="woodbury", woodbury_rows=6)
+  passed, _ = tx.update(grads, tx.init(params), None)
+  jax.tree.map(np.testing.assert_array_equal, passed, grads)
 
 
 def _batch_stats(model, params, seed, n=7):
@@ -345,6 +413,9 @@ def test_conv_statistics_options_reach_the_factors():
     (dict(adaptive_refresh=0.0), "adaptive_refresh"),
     (dict(conv_statistics="mean"), "mode"),
     (dict(conv_statistics="spatial_subsample"), "num_positions"),
+    (dict(woodbury_rows=8), "woodbury_rows"),  # with inverse_method='cholesky'
+    (dict(inverse_method="auto", woodbury_rows=8), "woodbury_rows"),  # with ema_decay
+    (dict(inverse_method="auto", ema_decay=None, woodbury_rows=0), "woodbury_rows"),
 ])
 def test_invalid_options_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -128,6 +128,7 @@ def skfac(
     spatial_samples: Optional[int] = None,
     subsample_key: Optional[Any] = None,
     block_size: Optional[int] = None,
+    woodbury_rows: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """SKFAC: current-batch factors inverted by Woodbury where they are low-rank, then momentum SGD.
 
@@ -143,6 +144,9 @@ def skfac(
     momentum, nesterov, weight_decay, weight_decay_mask: as :func:`thor`.
     inverse_method: ``'auto'`` or ``'woodbury'`` (every factor by Woodbury).
     conv_statistics, spatial_samples, subsample_key, block_size: see :func:`scale_by_thor`.
+    woodbury_rows: the batch size (rows behind a factor), to keep the low-rank factors in
+      Woodbury form in the state: less memory than dense inverses, and cheaper steps (see
+      :func:`scale_by_thor`); ``None`` stores dense inverses.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` on check steps.
@@ -153,7 +157,8 @@ def skfac(
   return optax.chain(
       transform.scale_by_kfac(damping, ema_decay=None, block_size=block_size,
                               inverse_method=inverse_method, conv_statistics=conv_statistics,
-                              spatial_samples=spatial_samples, subsample_key=subsample_key),
+                              spatial_samples=spatial_samples, subsample_key=subsample_key,
+                              woodbury_rows=woodbury_rows),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 

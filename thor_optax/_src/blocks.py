@@ -38,16 +38,19 @@ class FactorSlot:
     block: block size ``b`` of its group (``b >= d`` if the factor is a single block).
     start: index of its first block in the group stack.
     num_blocks: number of blocks, ``ceil(d / b)``.
+    rank: ``m > 0`` if the factor's damped inverse is kept in low-rank (Woodbury) form with room
+      for ``m`` rows (see :func:`build_layout`), 0 for dense ``b x b`` inverse blocks.
   """
 
   dim: int
   block: int
   start: int
   num_blocks: int
+  rank: int = 0
 
   @property
   def group(self) -> str:
-    return group_key(self.block)
+    return group_key(self.block, self.rank)
 
   @property
   def padded_dim(self) -> int:
@@ -138,12 +141,14 @@ class BlockLayout:
     groups: ``{group_key: (block_size, n_blocks)}``.
     block_size: the split size the layout was built with (``None``: no split).
     units: normalization-layer candidates (unit-wise Fisher), sorted by path.
+    ranks: ``{group_key: m}`` for the groups whose blocks are kept in low-rank form.
   """
 
   layers: tuple[LayerSpec, ...]
   groups: dict[str, tuple[int, int]]
   block_size: Optional[int]
   units: tuple[UnitSpec, ...] = ()
+  ranks: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def real_dims(self, group: str) -> np.ndarray:
     """``(n_blocks, b)`` float array: 1 where a block row is a true dimension, 0 for padding."""
@@ -165,9 +170,16 @@ class BlockLayout:
     raise KeyError(name)
 
 
-def group_key(block: int) -> str:
-  """Name of the group holding blocks of size ``block`` (``'b128'``)."""
-  return f"b{block}"
+def group_key(block: int, rank: int = 0) -> str:
+  """Name of the group holding blocks of size ``block``: ``'b128'``, or ``'b785r128'`` for
+  blocks kept in low-rank form with room for ``rank`` rows."""
+  return f"b{block}r{rank}" if rank else f"b{block}"
+
+
+def saves_memory(block: int, rows: int) -> bool:
+  """Whether a ``b x b`` inverse block takes more memory than its low-rank (Woodbury) form,
+  ``U (b, m)`` and the ``m x m`` core inverse: ``m (b + m) < b^2``, i.e. ``m < 0.618 b``."""
+  return rows * (block + rows) < block * block
 
 
 def _next_pow2(d: int) -> int:
@@ -223,20 +235,29 @@ def find_layers(tree: Any) -> tuple[list, list]:
   return layers, units
 
 
-def build_layout(tree: Any, block_size: Optional[int]) -> BlockLayout:
+def build_layout(tree: Any, block_size: Optional[int],
+                 low_rank_rows: Optional[int] = None) -> BlockLayout:
   """Builds the static block layout of a parameter (or gradient) tree.
 
   Args:
     tree: nested dict with ``kernel`` (and optional ``bias``) leaves.
     block_size: THOR split size ``b`` (positive int), or ``None`` for unsplit factors.
+    low_rank_rows: ``m``, or ``None``: every factor whose block size ``b`` has
+      :func:`saves_memory` ``(b, m)`` true gets ``rank = m`` and lives in a low-rank group
+      (SKFAC's Woodbury form, with room for ``m`` rows per factor).
 
   Returns:
     the :class:`BlockLayout`; layers appear in path order, ``A`` before ``G`` (an embedding
     has only ``G`` in the stacks).
 
   Raises:
-    ValueError: if ``block_size`` is not a positive integer or ``None``.
+    ValueError: if ``block_size`` is not a positive integer or ``None``, or ``low_rank_rows``
+      is not a positive integer or ``None``.
   """
+  if low_rank_rows is not None and (not isinstance(low_rank_rows, (int, np.integer))
+                                    or isinstance(low_rank_rows, bool) or low_rank_rows < 1):
+    raise ValueError(f"woodbury_rows must be a positive Python int or None, got "
+                     f"{low_rank_rows!r}; it fixes array shapes of the state.")
   if block_size is not None and (not isinstance(block_size, (int, np.integer))
                                  or isinstance(block_size, bool) or block_size < 1):
     raise ValueError(
@@ -244,22 +265,24 @@ def build_layout(tree: Any, block_size: Optional[int]) -> BlockLayout:
         "shapes, so it cannot be a traced value: with optax.inject_hyperparams pass "
         "static_args=('block_size',).")
   block_size = None if block_size is None else int(block_size)
-  counts: dict[int, int] = {}
+  counts: dict[tuple[int, int], int] = {}
   layers = []
 
   def slot(dim: int) -> FactorSlot:
     block, n = split_shape(dim, block_size)
-    start = counts.get(block, 0)
-    counts[block] = start + n
-    return FactorSlot(dim=dim, block=block, start=start, num_blocks=n)
+    rank = int(low_rank_rows) if low_rank_rows and saves_memory(block, low_rank_rows) else 0
+    start = counts.get((block, rank), 0)
+    counts[(block, rank)] = start + n
+    return FactorSlot(dim=dim, block=block, start=start, num_blocks=n, rank=rank)
 
   found, units = find_layers(tree)
   for path, kind, shape, has_bias in found:
     a = None if kind == "embed" else slot(int(np.prod(shape[:-1])) + int(has_bias))
     g = slot(shape[-1])
     layers.append(LayerSpec(path, kind, shape, has_bias, a, g))
-  groups = {group_key(b): (b, n) for b, n in sorted(counts.items())}
-  return BlockLayout(tuple(layers), groups, block_size, tuple(units))
+  groups = {group_key(b, r): (b, n) for (b, r), n in sorted(counts.items())}
+  ranks = {group_key(b, r): r for (b, r) in sorted(counts) if r}
+  return BlockLayout(tuple(layers), groups, block_size, tuple(units), ranks)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -323,6 +346,42 @@ def right_multiply(x: jax.Array, blocks: jax.Array) -> jax.Array:
   xp = jnp.pad(x, ((0, 0), (0, n * b - d))) if n * b != d else x
   y = jnp.einsum("mki,kij->mkj", xp.reshape(x.shape[0], n, b), blocks)
   return y.reshape(x.shape[0], n * b)[:, :d]
+
+
+def _low_rank_apply(u: jax.Array, core: jax.Array, damping: jax.Array,
+                    x: jax.Array) -> jax.Array:
+  """``F_k^-1 x_k = (x_k - U_k C_k U_k^T x_k) / d_k`` per block, ``x (n, b, cols)``."""
+  ux = jnp.einsum("kbm,kbc->kmc", u, x)
+  y = x - jnp.einsum("kbm,kmj,kjc->kbc", u, core, ux)
+  return y / damping[:, None, None]
+
+
+def left_multiply_low_rank(u: jax.Array, core: jax.Array, damping: jax.Array,
+                           x: jax.Array) -> jax.Array:
+  """``blockdiag(F_k^-1) @ x`` with ``F_k^-1 = (I - U_k C_k U_k^T) / d_k`` (Woodbury form).
+
+  Costs ``O(b m cols)`` per block instead of ``O(b^2 cols)`` for a dense inverse block.
+
+  Args:
+    u: ``(n, b, m)`` the factor blocks' scaled rows (``F_k = U_k U_k^T`` on true dimensions).
+    core: ``(n, m, m)`` the core inverses ``C_k = (U_k^T U_k + d_k I)^-1``.
+    damping: ``(n,)`` the damping ``d_k`` of each block.
+    x: ``(d, cols)`` with ``d <= n b``.
+
+  Returns:
+    ``(d, cols)``.
+  """
+  n, b, _ = u.shape
+  d = x.shape[0]
+  xp = jnp.pad(x, ((0, n * b - d), (0, 0))) if n * b != d else x
+  y = _low_rank_apply(u, core, damping, xp.reshape(n, b, -1))
+  return y.reshape(n * b, -1)[:d]
+
+
+def right_multiply_low_rank(x: jax.Array, u: jax.Array, core: jax.Array,
+                            damping: jax.Array) -> jax.Array:
+  """``x @ blockdiag(F_k^-1)`` for ``x (rows, d)``; see :func:`left_multiply_low_rank`."""
+  return left_multiply_low_rank(u, core, damping, x.T).T
 
 
 # ------------------------------------------------------------------------------------------------

@@ -83,6 +83,24 @@ def eigh_factors(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.maximum(values, 0.0), vectors
 
 
+def woodbury_core_inverse(u: jax.Array, damping: jax.Array) -> jax.Array:
+  """The ``m x m`` cores ``C = (U^T U + d I_m)^-1`` of the Woodbury identity, batched.
+
+  With them ``(U U^T + d I_b)^-1 = (I_b - U C U^T) / d``, which can be applied to a vector in
+  ``O(b m)`` without forming the ``b x b`` inverse (``blocks.left_multiply_low_rank``).
+
+  Args:
+    u: ``(K, b, m)``, the factor block is ``U U^T``.
+    damping: ``(K,)`` values ``d > 0`` added to the factor blocks' diagonals.
+
+  Returns:
+    ``(K, m, m)`` symmetric core inverses; non-finite where the Cholesky factorization failed.
+  """
+  m = u.shape[-1]
+  core = jnp.einsum("kbi,kbj->kij", u, u) + damping[:, None, None] * jnp.eye(m, dtype=u.dtype)
+  return cholesky_inverse(core)
+
+
 def woodbury_inverse(u: jax.Array, damping: jax.Array, real: jax.Array) -> jax.Array:
   """Damped inverses ``(U U^T + d I)^-1`` of low-rank blocks by Sherman-Morrison-Woodbury.
 
@@ -101,10 +119,8 @@ def woodbury_inverse(u: jax.Array, damping: jax.Array, real: jax.Array) -> jax.A
     the damped inverse on true dimensions, the identity on padding; non-finite where the
     factorization failed.
   """
-  m = u.shape[-1]
   d = damping[:, None, None]
-  core = jnp.einsum("kbi,kbj->kij", u, u) + d * jnp.eye(m, dtype=u.dtype)
-  core_inv = cholesky_inverse(core)
+  core_inv = woodbury_core_inverse(u, damping)
   inv = (jnp.eye(u.shape[1], dtype=u.dtype) - jnp.einsum("kbi,kij,kcj->kbc", u, core_inv, u)) / d
   mask = real[:, :, None] * real[:, None, :]
   return inv * mask + (1.0 - real)[:, :, None] * jnp.eye(u.shape[1], dtype=u.dtype)

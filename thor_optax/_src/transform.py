@@ -99,8 +99,14 @@ class KroneckerState(NamedTuple):
   Attributes:
     count: int32, number of ``update`` calls (steps); schedules are evaluated at it.
     inverses: ``{group: (n, b, b)}`` damped inverse blocks (identity before the first refresh);
-      with ``inverse_method='eigh'`` the blocks' eigenvectors.
+      with ``inverse_method='eigh'`` the blocks' eigenvectors. Low-rank groups are not here.
     eigenvalues: ``{group: (n, b)}`` the blocks' eigenvalues (``'eigh'`` only).
+    woodbury_u: ``{group: (n, b, m)}`` for the low-rank groups (``woodbury_rows=m``): each
+      block's scaled rows ``U`` (zero-padded to ``m`` columns), ``F = U U^T``; zeros before the
+      first refresh.
+    woodbury_core: ``{group: (n, m, m)}`` the core inverses ``(U^T U + d I)^-1``.
+    woodbury_damping: ``{group: (n,)}`` each block's damping ``d`` (1 before the first refresh,
+      so that the inverse ``(I - U C U^T) / d`` starts as the identity).
     factors: ``{group: (n, b, b)}`` stored factor blocks (with ``ema_decay``, an
       ``inverse_period`` or ``adaptive_refresh``).
     trace_ref: ``{group: (n,)}`` damped trace of each block at its last factor refresh (0:
@@ -125,6 +131,9 @@ class KroneckerState(NamedTuple):
   count: jax.Array
   inverses: dict[str, jax.Array]
   eigenvalues: dict[str, jax.Array]
+  woodbury_u: dict[str, jax.Array]
+  woodbury_core: dict[str, jax.Array]
+  woodbury_damping: dict[str, jax.Array]
   factors: dict[str, jax.Array]
   trace_ref: dict[str, jax.Array]
   frozen: dict[str, jax.Array]
@@ -158,6 +167,10 @@ class _Config:
   adaptive_refresh: Optional[float]
   max_refresh_interval: int
   dtype: Optional[jnp.dtype]
+  woodbury_rows: Optional[int] = None
+
+  def layout(self, tree: Any) -> blocks.BlockLayout:
+    return blocks.build_layout(tree, self.block_size, self.woodbury_rows)
 
   @property
   def eigh(self) -> bool:
@@ -203,10 +216,18 @@ def _init_state(layout: blocks.BlockLayout, dtype: jnp.dtype, cfg: _Config) -> K
           trace_ratio=zeros(()))
       for spec in layout.layers
   }
+  dense = lambda make: {g: make(b, n) for g, (b, n) in layout.groups.items()
+                        if g not in layout.ranks}
+  low_rank = lambda make: {g: make(b, n, layout.ranks[g]) for g, (b, n) in layout.groups.items()
+                           if g in layout.ranks}
   return KroneckerState(
       count=zeros((), jnp.int32),
-      inverses=per_group(eye),
-      eigenvalues=per_group(lambda b, n: zeros((n, b))) if cfg.eigh else {},
+      inverses=dense(eye),
+      eigenvalues=dense(lambda b, n: zeros((n, b))) if cfg.eigh else {},
+      woodbury_u=low_rank(lambda b, n, m: zeros((n, b, m))),
+      woodbury_core=low_rank(lambda b, n, m: jnp.broadcast_to(jnp.eye(m, dtype=dtype),
+                                                              (n, m, m))),
+      woodbury_damping=low_rank(lambda b, n, m: jnp.ones((n,), dtype)),
       factors=per_group(lambda b, n: zeros((n, b, b))) if store else {},
       trace_ref=per_group(lambda b, n: zeros((n,))),
       frozen=per_group(lambda b, n: zeros((n,), bool)),
@@ -227,8 +248,8 @@ def _init_state(layout: blocks.BlockLayout, dtype: jnp.dtype, cfg: _Config) -> K
 
 
 def _check_state_matches(layout: blocks.BlockLayout, state: KroneckerState) -> None:
-  want = {g: (n, b, b) for g, (b, n) in layout.groups.items()}
-  have = {g: tuple(x.shape) for g, x in state.inverses.items()}
+  want = {g: (n, b, layout.ranks.get(g, b)) for g, (b, n) in layout.groups.items()}
+  have = {g: tuple(x.shape) for g, x in {**state.inverses, **state.woodbury_u}.items()}
   want_units = {u.name: (u.channels, 2, 2) for u in layout.units}
   have_units = {name: tuple(x.shape) for name, x in state.unitwise.items()}
   if want != have or want_units != have_units:
@@ -240,6 +261,11 @@ def _check_state_matches(layout: blocks.BlockLayout, state: KroneckerState) -> N
 
 def _slice(x: jax.Array, slot: blocks.FactorSlot) -> jax.Array:
   return x[slot.start:slot.stop]
+
+
+def _state_dtype_of(state: KroneckerState) -> jnp.dtype:
+  """The dtype of the curvature state (every group has a ``trace_ref``)."""
+  return next(iter(state.trace_ref.values())).dtype if state.trace_ref else jnp.float32
 
 
 def _period_steps(period: Period, count: jax.Array) -> jax.Array:
@@ -278,6 +304,29 @@ def _woodbury_blocks(rows, scale, slot, idx, damping, real):
   u = jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0))           # (K, b, R)
   inv = inverse.woodbury_inverse(u, damping, real)
   return inv, inverse.is_finite_block(inv)
+
+
+def _low_rank_blocks(rows, scale, slot, idx, damping):
+  """Woodbury form ``{u (K, b, m), core (K, m, m), damping (K,)}`` of the factor blocks
+  ``idx`` from the factor's ``R <= m`` rows (zero columns pad ``U`` to ``m``: ``U U^T`` and the
+  inverse are unchanged), and whether each is finite."""
+  x = jnp.take(blocks.blocked_rows(rows, slot), idx, axis=1)  # (R, K, b)
+  u = jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0))           # (K, b, R)
+  u = jnp.pad(u, ((0, 0), (0, 0), (0, slot.rank - u.shape[-1])))
+  core = inverse.woodbury_core_inverse(u, damping)
+  out = {"u": u, "core": core, "damping": damping}
+  return out, inverse.is_finite_block(u) & inverse.is_finite_block(core)
+
+
+def _check_low_rank_rows(spec: blocks.LayerSpec, slot: blocks.FactorSlot,
+                         rows: jax.Array) -> None:
+  if rows.shape[0] > slot.rank:
+    which = "A" if slot is spec.a else "G"
+    raise ValueError(
+        f"layer {spec.name!r}: factor {which} (dim {slot.dim}) has {rows.shape[0]} rows in "
+        f"these statistics, but its low-rank state holds at most woodbury_rows={slot.rank}; "
+        f"pass woodbury_rows >= {rows.shape[0]} (the examples x positions x samples behind "
+        "the factor), or woodbury_rows=None for dense inverses.")
 
 
 def _refresh_embeddings(state, embeds, cfg):
@@ -322,7 +371,7 @@ def _refresh_units(state, layout, flat, damping, cfg, dtype):
 def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvature_stats: Any,
                      damping: jax.Array, cfg: _Config) -> KroneckerState:
   """One statistics step: refresh policy per block, factors, inverses due, diagnostics."""
-  dtype = next(iter(state.inverses.values())).dtype if state.inverses else jnp.float32
+  dtype = _state_dtype_of(state)
   by_name = {spec.name: spec for spec in layout.layers}
   unit_names = {unit.name for unit in layout.units}
   flat = stats_lib.flatten_layer_stats(curvature_stats)
@@ -390,9 +439,24 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
   # Per factor: covariance blocks of the selected blocks, or (Woodbury) their inverses.
   cov_parts = {g: [] for g in layout.groups}
   woodbury = {g: np.zeros((n,), bool) for g, (_, n) in layout.groups.items()}
-  woodbury_out = []  # (slot, inverses, refreshed) per Woodbury factor
+  woodbury_out = []  # (slot, inverses or low-rank form, refreshed) per Woodbury factor
   for spec in layout.layers:
     for slot in spec.slots:
+      if slot.rank:  # low-rank Woodbury form: no b x b array at all
+        if slot in rows_of:
+          rows, scale = rows_of[slot]
+          _check_low_rank_rows(spec, slot, rows)
+          dmp = _slice(block_damping[slot.group], slot)
+          old = {"u": _slice(state.woodbury_u[slot.group], slot),
+                 "core": _slice(state.woodbury_core[slot.group], slot),
+                 "damping": _slice(state.woodbury_damping[slot.group], slot)}
+          part, done = blocks.masked_block_update(
+              _slice(selected[slot.group], slot), old,
+              lambda idx, rows=rows, scale=scale, slot=slot, dmp=dmp:
+              _low_rank_blocks(rows, scale, slot, idx, dmp[idx]),
+              cfg.num_buckets)
+          woodbury_out.append((slot, part, done))
+        continue
       zeros = jnp.zeros((slot.num_blocks, slot.block, slot.block), dtype)
       cov_parts[slot.group].append(zeros)
       if slot not in rows_of:
@@ -417,11 +481,26 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
           cfg.num_buckets)
       cov_parts[slot.group][-1] = cov
 
-  new = {name: {} for name in ("inverses", "eigenvalues", "factors", "trace_ref", "frozen",
+  new = {name: {} for name in ("inverses", "eigenvalues", "woodbury_u", "woodbury_core",
+                               "woodbury_damping", "factors", "trace_ref", "frozen",
                                "refreshes", "stale", "next_refresh", "refresh_interval")}
   refreshed_of = {}
   do_invert = count >= state.next_inverse
   for g, (b, n) in layout.groups.items():
+    if g in layout.ranks:  # current-batch factors only (validated): set where refreshed
+      refreshed = jnp.zeros((n,), bool)
+      low = {k: getattr(state, f"woodbury_{k}")[g] for k in ("u", "core", "damping")}
+      for slot, part, done in woodbury_out:
+        if slot.group == g:
+          low = {k: v.at[slot.start:slot.stop].set(part[k]) for k, v in low.items()}
+          refreshed = refreshed.at[slot.start:slot.stop].set(done)
+      for k, v in low.items():
+        new[f"woodbury_{k}"][g] = v
+      new["trace_ref"][g] = jnp.where(refreshed, trace_now[g], state.trace_ref[g])
+      new["frozen"][g] = state.frozen[g] | decision[g].freeze
+      new["refreshes"][g] = state.refreshes[g] + refreshed.astype(jnp.int32)
+      refreshed_of[g] = refreshed
+      continue
     cov = jnp.concatenate(cov_parts[g], axis=0)
     real = jnp.asarray(layout.real_dims(g), dtype)
     sel = selected[g] & ~jnp.asarray(woodbury[g])
@@ -519,16 +598,36 @@ def _pad_to(x: jax.Array, rows: int, cols: int) -> jax.Array:
   return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
 
 
+def _low_rank(state: KroneckerState, slot: blocks.FactorSlot) -> tuple[jax.Array, ...]:
+  """A low-rank factor's ``(U, core, damping)`` blocks."""
+  return tuple(_slice(getattr(state, f"woodbury_{k}")[slot.group], slot)
+               for k in ("u", "core", "damping"))
+
+
+def _inverse_times(state: KroneckerState, slot: blocks.FactorSlot, x: jax.Array) -> jax.Array:
+  """``F^-1 x`` with a factor's stored damped inverse (dense blocks or low-rank form)."""
+  if slot.rank:
+    return blocks.left_multiply_low_rank(*_low_rank(state, slot), x)
+  return blocks.left_multiply(_slice(state.inverses[slot.group], slot), x)
+
+
+def _times_inverse(state: KroneckerState, slot: blocks.FactorSlot, x: jax.Array) -> jax.Array:
+  """``x F^-1`` with a factor's stored damped inverse (dense blocks or low-rank form)."""
+  if slot.rank:
+    return blocks.right_multiply_low_rank(x, *_low_rank(state, slot))
+  return blocks.right_multiply(x, _slice(state.inverses[slot.group], slot))
+
+
 def _precondition_matrix(x: jax.Array, spec: blocks.LayerSpec, state: KroneckerState,
                          eigh: bool, damping: jax.Array) -> jax.Array:
   """The natural gradient of one layer's ``(d_A, d_out)`` gradient matrix."""
-  g_blocks = _slice(state.inverses[spec.g.group], spec.g)
   if not eigh:
     if spec.a is None:
       y = state.diagonal[spec.name][:, None] * x
     else:
-      y = blocks.left_multiply(_slice(state.inverses[spec.a.group], spec.a), x)
-    return blocks.right_multiply(y, g_blocks)
+      y = _inverse_times(state, spec.a, x)
+    return _times_inverse(state, spec.g, y)
+  g_blocks = _slice(state.inverses[spec.g.group], spec.g)
   # Exact damping of A (x) G in the factors' eigenbases (KAISA). The rotation runs in padded
   # coordinates: a block's eigenvalues are sorted, so those of its identity padding are not
   # at the end, and each eigenvalue must stay with its own eigenvector column.
@@ -569,7 +668,7 @@ def precondition(updates: Any, state: KroneckerState, layout: blocks.BlockLayout
   new_leaves = {}
   flat = {stats_lib.path_keys(path): leaf
           for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]}
-  dtype = next(iter(state.inverses.values())).dtype if state.inverses else jnp.float32
+  dtype = _state_dtype_of(state)
   for spec in layout.layers:
     kernel = flat[spec.path + (spec.param,)]
     x = factors.kernel_matrix(kernel).astype(dtype)
@@ -626,6 +725,13 @@ def _validate(cfg: _Config) -> None:
                      f"{cfg.adaptive_refresh}")
   if cfg.max_refresh_interval < 1:
     raise ValueError(f"max_refresh_interval must be >= 1, got {cfg.max_refresh_interval}")
+  if cfg.woodbury_rows is not None:
+    if cfg.inverse_method not in ("woodbury", "auto") or cfg.store_factors:
+      raise ValueError(
+          "woodbury_rows keeps the current batch's low-rank factors in Woodbury form: it needs "
+          "inverse_method='woodbury' or 'auto', and no ema_decay, inverse_period other than 1 "
+          "or adaptive_refresh (their factors are full rank).")
+    blocks.build_layout({}, cfg.block_size, cfg.woodbury_rows)  # validates the value
 
 
 def _kronecker_preconditioner(cfg: _Config) -> optax.GradientTransformationExtraArgs:
@@ -633,12 +739,12 @@ def _kronecker_preconditioner(cfg: _Config) -> optax.GradientTransformationExtra
   _validate(cfg)
 
   def init_fn(params):
-    layout = blocks.build_layout(params, cfg.block_size)
+    layout = cfg.layout(params)
     return _init_state(layout, _state_dtype(params, cfg.dtype), cfg)
 
   def update_fn(updates, state, params=None, *, curvature_stats=None, **extra_args):
     del params, extra_args
-    layout = blocks.build_layout(updates, cfg.block_size)
+    layout = cfg.layout(updates)
     _check_state_matches(layout, state)
     lam = cfg.damping(state.count) if callable(cfg.damping) else cfg.damping
     if curvature_stats is not None:
@@ -667,6 +773,7 @@ def scale_by_thor(
     subsample_key: Optional[jax.Array] = None,
     inverse_period: Period = 1,
     dtype: Optional[jnp.dtype] = None,
+    woodbury_rows: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """THOR's natural-gradient preconditioner (trace rule, uniform blocks, split damping).
 
@@ -707,6 +814,14 @@ def scale_by_thor(
       factors of the steps between are averaged into the stored factors (KAISA's decoupled
       ``inv_update_steps``).
     dtype: dtype of factors and inverses; default: float32, or float64 for float64 parameters.
+    woodbury_rows: ``m`` (static int) or ``None``. With ``inverse_method='woodbury'`` or
+      ``'auto'``, every factor block of size ``b`` with ``m (b + m) < b^2`` (the low-rank form
+      is smaller) keeps ``U (b, m)``, the ``m x m`` core inverse and its damping in the state
+      instead of a dense ``b x b`` inverse, and preconditions with ``(x - U C U^T x) / d`` in
+      ``O(b m)`` per column (SKFAC). ``m`` bounds the rows behind such a factor (examples x
+      positions for ``A``, x cotangent samples for ``G``; after a conv's ``reduce_sum``, the
+      examples): fewer rows are zero-padded exactly, more raise a ``ValueError`` naming the
+      layer.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs`` with state :class:`KroneckerState`.
@@ -714,8 +829,8 @@ def scale_by_thor(
   Raises:
     ValueError: on invalid hyperparameters or combinations (at construction); in ``update``,
       when statistics name a layer with no weights in the gradients, do not fit a layer's
-      weights (the message names the layer path and the expected shape), or the state was
-      built for other parameters.
+      weights (the message names the layer path and the expected shape), have more rows than
+      ``woodbury_rows``, or the state was built for other parameters.
 
   References:
     Chen et al., "THOR", AAAI 2021 (trace rule, hardware-driven split, split damping).
@@ -726,7 +841,7 @@ def scale_by_thor(
       num_buckets=refresh_buckets, inverse_method=inverse_method,
       sampling=_conv_sampling(conv_statistics, spatial_samples), subsample_key=subsample_key,
       inverse_period=inverse_period, adaptive_refresh=None, max_refresh_interval=1,
-      dtype=dtype))
+      dtype=dtype, woodbury_rows=woodbury_rows))
 
 
 def scale_by_kfac(
@@ -743,6 +858,7 @@ def scale_by_kfac(
     adaptive_refresh: Optional[float] = None,
     max_refresh_interval: int = 64,
     dtype: Optional[jnp.dtype] = None,
+    woodbury_rows: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioner: every block refreshed at every statistics step, whole factors.
 
@@ -770,6 +886,7 @@ def scale_by_kfac(
       to refresh every block at every statistics step.
     max_refresh_interval: cap on a block's adaptive interval, in steps.
     dtype: dtype of factors and inverses (default float32, float64 for float64 parameters).
+    woodbury_rows: see :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs`` with state :class:`KroneckerState`.
@@ -789,4 +906,4 @@ def scale_by_kfac(
       inverse_method=inverse_method,
       sampling=_conv_sampling(conv_statistics, spatial_samples), subsample_key=subsample_key,
       inverse_period=inverse_period, adaptive_refresh=adaptive_refresh,
-      max_refresh_interval=max_refresh_interval, dtype=dtype))
+      max_refresh_interval=max_refresh_interval, dtype=dtype, woodbury_rows=woodbury_rows))
