@@ -9,6 +9,8 @@ Public API (import from here or from ``thor_optax.flax``; never from ``thor_opta
   weight decay and momentum SGD, or SP-NGD's weight rescaling).
 * ``scale_by_kl_clip``: KAISA's KL clip around a preconditioner.
 * ``rescale_weight_norms``: SP-NGD's cap of kernel norms at ``sqrt(2 d_out)``.
+* ``kronecker_state_sharding``: shardings of the curvature state on a device mesh (replicated,
+  or block stacks sharded: KAISA's COMM-OPT / MEM-OPT / HYBRID-OPT).
 * ``thor_learning_rate_schedule``, ``thor_damping_schedule``: the paper's schedule shapes.
 * ``CheckSchedule``, ``growing_interval``: which steps are curvature-check steps.
 * ``KroneckerState``, ``LayerDiagnostics``: the transform state and its per-layer record.
@@ -25,6 +27,7 @@ from thor_optax._src.alias import thor
 from thor_optax._src.alias import thor_damping_schedule
 from thor_optax._src.alias import thor_learning_rate_schedule
 from thor_optax._src.schedule import CheckSchedule
+from thor_optax._src.sharding import kronecker_state_sharding
 from thor_optax._src.schedule import growing_interval
 from thor_optax._src.stats import ConvStats
 from thor_optax._src.stats import CurvatureStats
@@ -54,6 +57,7 @@ __all__ = (
     "growing_interval",
     "kaisa",
     "kfac",
+    "kronecker_state_sharding",
     "rescale_weight_norms",
     "scale_by_kfac",
     "scale_by_kl_clip",

@@ -50,6 +50,7 @@ def thor(
     ema_decay: Optional[float] = None,
     pi_damping: bool = False,
     inverse_method: str = "cholesky",
+    block_sharding: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """THOR: :func:`scale_by_thor`, then weight decay, then momentum SGD.
 
@@ -64,6 +65,7 @@ def thor(
     block_size, trace_thresholds, ema_decay, pi_damping, inverse_method: see
       :func:`scale_by_thor`. Under
       ``optax.inject_hyperparams`` list ``block_size`` in ``static_args``: it fixes shapes.
+    block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` to ``update`` on
@@ -75,7 +77,7 @@ def thor(
   return optax.chain(
       transform.scale_by_thor(damping, block_size=block_size, trace_thresholds=trace_thresholds,
                               ema_decay=ema_decay, pi_damping=pi_damping,
-                              inverse_method=inverse_method),
+                              inverse_method=inverse_method, block_sharding=block_sharding),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -92,6 +94,7 @@ def kfac(
     pi_damping: bool = False,
     inverse_method: str = "cholesky",
     inverse_period: transform.Period = 1,
+    block_sharding: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC: :func:`scale_by_kfac`, then weight decay, then momentum SGD.
 
@@ -101,6 +104,7 @@ def kfac(
     momentum, nesterov, weight_decay, weight_decay_mask: as :func:`thor`.
     ema_decay, block_size, pi_damping, inverse_method, inverse_period: see
       :func:`scale_by_kfac` (``kfac(..., inverse_method='eigh')`` is KAISA without KL clip).
+    block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -111,7 +115,7 @@ def kfac(
   return optax.chain(
       transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
                               pi_damping=pi_damping, inverse_method=inverse_method,
-                              inverse_period=inverse_period),
+                              inverse_period=inverse_period, block_sharding=block_sharding),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -129,6 +133,7 @@ def skfac(
     subsample_key: Optional[Any] = None,
     block_size: Optional[int] = None,
     woodbury_rows: Optional[int] = None,
+    block_sharding: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """SKFAC: current-batch factors inverted by Woodbury where they are low-rank, then momentum SGD.
 
@@ -147,6 +152,7 @@ def skfac(
     woodbury_rows: the batch size (rows behind a factor), to keep the low-rank factors in
       Woodbury form in the state: less memory than dense inverses, and cheaper steps (see
       :func:`scale_by_thor`); ``None`` stores dense inverses.
+    block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` on check steps.
@@ -158,7 +164,7 @@ def skfac(
       transform.scale_by_kfac(damping, ema_decay=None, block_size=block_size,
                               inverse_method=inverse_method, conv_statistics=conv_statistics,
                               spatial_samples=spatial_samples, subsample_key=subsample_key,
-                              woodbury_rows=woodbury_rows),
+                              woodbury_rows=woodbury_rows, block_sharding=block_sharding),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -174,6 +180,7 @@ def kaisa(
     inverse_period: transform.Period = 10,
     max_kl: Optional[float] = 0.001,
     block_size: Optional[int] = None,
+    block_sharding: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """KAISA: running-average factors, eigendecompositions every ``inverse_period`` steps, KL clip.
 
@@ -190,6 +197,7 @@ def kaisa(
     inverse_period: steps between eigendecompositions (int or schedule).
     max_kl: KL-clip bound ``kappa``, or ``None`` for no clipping.
     block_size: ``None`` (whole factors) or THOR's split size.
+    block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -198,7 +206,8 @@ def kaisa(
     ValueError: as :func:`scale_by_kfac`.
   """
   pre = transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
-                                inverse_method="eigh", inverse_period=inverse_period)
+                                inverse_method="eigh", inverse_period=inverse_period,
+                                block_sharding=block_sharding)
   if max_kl is not None:
     pre = kl_clip.scale_by_kl_clip(pre, learning_rate, max_kl)
   return optax.chain(
@@ -217,6 +226,7 @@ def spngd(
     ema_decay: Optional[float] = None,
     rescale_weights: bool = True,
     block_size: Optional[int] = None,
+    block_sharding: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """SP-NGD: pi-damped K-FAC with adaptive refresh, unit-wise normalization layers, rescaling.
 
@@ -237,6 +247,7 @@ def spngd(
     ema_decay: running average of the factors (SP-NGD: ``None``).
     rescale_weights: cap kernel norms at ``sqrt(2 d_out)`` after each step.
     block_size: ``None`` or THOR's split size.
+    block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -250,7 +261,8 @@ def spngd(
   return optax.chain(
       transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
                               pi_damping=True, adaptive_refresh=adaptive_refresh,
-                              max_refresh_interval=max_refresh_interval),
+                              max_refresh_interval=max_refresh_interval,
+                              block_sharding=block_sharding),
       *tail)
 
 

@@ -168,6 +168,7 @@ class _Config:
   max_refresh_interval: int
   dtype: Optional[jnp.dtype]
   woodbury_rows: Optional[int] = None
+  block_sharding: Optional[jax.sharding.Sharding] = None
 
   def layout(self, tree: Any) -> blocks.BlockLayout:
     return blocks.build_layout(tree, self.block_size, self.woodbury_rows)
@@ -297,22 +298,28 @@ def _uses_woodbury(cfg: _Config, rows: jax.Array, slot: blocks.FactorSlot) -> bo
   return cfg.inverse_method == "auto" and not cfg.store_factors and rows.shape[0] < slot.block
 
 
-def _woodbury_blocks(rows, scale, slot, idx, damping, real):
+def _distribute(stack: jax.Array, sharding: Optional[jax.sharding.Sharding]) -> jax.Array:
+  """Shards a stack of blocks ``(K, ...)`` along ``K`` before it is inverted, so that each
+  device inverts its share (KAISA's layer-wise distribution); no-op for ``None``."""
+  return stack if sharding is None else jax.lax.with_sharding_constraint(stack, sharding)
+
+
+def _woodbury_blocks(rows, scale, slot, idx, damping, real, sharding):
   """Damped inverses ``(K, b, b)`` of the factor blocks ``idx`` from the factor's rows, and
   whether each is finite (the ``fn`` of ``blocks.masked_block_update``)."""
   x = jnp.take(blocks.blocked_rows(rows, slot), idx, axis=1)  # (R, K, b)
-  u = jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0))           # (K, b, R)
+  u = _distribute(jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0)), sharding)  # (K, b, R)
   inv = inverse.woodbury_inverse(u, damping, real)
   return inv, inverse.is_finite_block(inv)
 
 
-def _low_rank_blocks(rows, scale, slot, idx, damping):
+def _low_rank_blocks(rows, scale, slot, idx, damping, sharding):
   """Woodbury form ``{u (K, b, m), core (K, m, m), damping (K,)}`` of the factor blocks
   ``idx`` from the factor's ``R <= m`` rows (zero columns pad ``U`` to ``m``: ``U U^T`` and the
   inverse are unchanged), and whether each is finite."""
   x = jnp.take(blocks.blocked_rows(rows, slot), idx, axis=1)  # (R, K, b)
   u = jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0))           # (K, b, R)
-  u = jnp.pad(u, ((0, 0), (0, 0), (0, slot.rank - u.shape[-1])))
+  u = _distribute(jnp.pad(u, ((0, 0), (0, 0), (0, slot.rank - u.shape[-1]))), sharding)
   core = inverse.woodbury_core_inverse(u, damping)
   out = {"u": u, "core": core, "damping": damping}
   return out, inverse.is_finite_block(u) & inverse.is_finite_block(core)
@@ -453,7 +460,7 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
           part, done = blocks.masked_block_update(
               _slice(selected[slot.group], slot), old,
               lambda idx, rows=rows, scale=scale, slot=slot, dmp=dmp:
-              _low_rank_blocks(rows, scale, slot, idx, dmp[idx]),
+              _low_rank_blocks(rows, scale, slot, idx, dmp[idx], cfg.block_sharding),
               cfg.num_buckets)
           woodbury_out.append((slot, part, done))
         continue
@@ -470,7 +477,7 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
         inv, done = blocks.masked_block_update(
             mask, _slice(state.inverses[slot.group], slot),
             lambda idx, rows=rows, scale=scale, slot=slot, dmp=dmp, real=real:
-            _woodbury_blocks(rows, scale, slot, idx, dmp[idx], real[idx]),
+            _woodbury_blocks(rows, scale, slot, idx, dmp[idx], real[idx], cfg.block_sharding),
             cfg.num_buckets)
         woodbury_out.append((slot, inv, done))
         continue
@@ -530,7 +537,7 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
       source, invert = cov, sel
 
     def refresh(idx, source=source, real=real, dmp=block_damping[g]):
-      blk = jnp.take(source, idx, axis=0)
+      blk = _distribute(jnp.take(source, idx, axis=0), cfg.block_sharding)
       if cfg.eigh:
         values, vectors = inverse.eigh_factors(blk)
         out = {"inverses": vectors, "eigenvalues": values}
@@ -774,6 +781,7 @@ def scale_by_thor(
     inverse_period: Period = 1,
     dtype: Optional[jnp.dtype] = None,
     woodbury_rows: Optional[int] = None,
+    block_sharding: Optional[jax.sharding.Sharding] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """THOR's natural-gradient preconditioner (trace rule, uniform blocks, split damping).
 
@@ -814,6 +822,14 @@ def scale_by_thor(
       factors of the steps between are averaged into the stored factors (KAISA's decoupled
       ``inv_update_steps``).
     dtype: dtype of factors and inverses; default: float32, or float64 for float64 parameters.
+    block_sharding: ``None``, or a ``jax.sharding.Sharding`` of the leading axis of a block stack,
+      e.g. ``NamedSharding(mesh, PartitionSpec("data"))``: under ``jax.jit`` on that mesh, every
+      stack of blocks due for inversion is sharded over the devices first, so each device
+      factorizes ``K / D`` blocks instead of all ``K`` (KAISA's layer-wise distribution of the
+      inversion work, THOR's uniform blocks making the shares even). Where the results go is the
+      sharding of the optimizer state: replicated gathers every inverse to every device
+      (KAISA's COMM-OPT), sharded leaves each device its share (MEM-OPT); see
+      :func:`thor_optax.kronecker_state_sharding`.
     woodbury_rows: ``m`` (static int) or ``None``. With ``inverse_method='woodbury'`` or
       ``'auto'``, every factor block of size ``b`` with ``m (b + m) < b^2`` (the low-rank form
       is smaller) keeps ``U (b, m)``, the ``m x m`` core inverse and its damping in the state
@@ -841,7 +857,7 @@ def scale_by_thor(
       num_buckets=refresh_buckets, inverse_method=inverse_method,
       sampling=_conv_sampling(conv_statistics, spatial_samples), subsample_key=subsample_key,
       inverse_period=inverse_period, adaptive_refresh=None, max_refresh_interval=1,
-      dtype=dtype, woodbury_rows=woodbury_rows))
+      dtype=dtype, woodbury_rows=woodbury_rows, block_sharding=block_sharding))
 
 
 def scale_by_kfac(
@@ -859,6 +875,7 @@ def scale_by_kfac(
     max_refresh_interval: int = 64,
     dtype: Optional[jnp.dtype] = None,
     woodbury_rows: Optional[int] = None,
+    block_sharding: Optional[jax.sharding.Sharding] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioner: every block refreshed at every statistics step, whole factors.
 
@@ -886,7 +903,7 @@ def scale_by_kfac(
       to refresh every block at every statistics step.
     max_refresh_interval: cap on a block's adaptive interval, in steps.
     dtype: dtype of factors and inverses (default float32, float64 for float64 parameters).
-    woodbury_rows: see :func:`scale_by_thor`.
+    woodbury_rows, block_sharding: see :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs`` with state :class:`KroneckerState`.
@@ -906,4 +923,5 @@ def scale_by_kfac(
       inverse_method=inverse_method,
       sampling=_conv_sampling(conv_statistics, spatial_samples), subsample_key=subsample_key,
       inverse_period=inverse_period, adaptive_refresh=adaptive_refresh,
-      max_refresh_interval=max_refresh_interval, dtype=dtype, woodbury_rows=woodbury_rows))
+      max_refresh_interval=max_refresh_interval, dtype=dtype, woodbury_rows=woodbury_rows,
+      block_sharding=block_sharding))

@@ -1,0 +1,13 @@
+"""Four host CPU devices in every test process, so the sharding tests have a mesh without a GPU.
+
+The flag is read when JAX's CPU backend starts, which happens at the first device use, after
+this file is imported; single-device tests run on device 0 as before.
+"""
+
+import os
+
+NUM_HOST_DEVICES = 4
+
+_flag = f"--xla_force_host_platform_device_count={NUM_HOST_DEVICES}"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
