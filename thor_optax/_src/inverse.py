@@ -26,6 +26,8 @@ References:
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -46,6 +48,29 @@ def damp(blocks: jax.Array, damping: jax.Array, real: jax.Array) -> jax.Array:
   return blocks + diag[:, :, None] * jnp.eye(blocks.shape[-1], dtype=blocks.dtype)
 
 
+def _lapack_safe(fn: Callable[[jax.Array], Any], stack: jax.Array) -> Any:
+  """``fn`` over a stack ``(K, b, b)``: batched, but one matrix at a time on CPU.
+
+  jaxlib's CPU LAPACK kernels (``potrf``, ``trsm``, ``syevd``; jax 0.10) split a batch into
+  tasks on XLA's intra-op thread pool and block until they finish. When as many batched calls
+  run at once as the pool has threads (independent block groups of one step, or one per device
+  of a multi-device CPU mesh), every pool thread waits for tasks that no thread is free to run,
+  and the program hangs. A batch of one is run inline, so on CPU ``fn`` is mapped over the
+  stack (``lax.map``); other platforms get the batched call. The choice is made per platform
+  when the function is lowered (``lax.platform_dependent``).
+  """
+  def one_at_a_time(x):
+    return jax.tree.map(lambda y: y[:, 0], jax.lax.map(lambda m: fn(m[None]), x))
+
+  return jax.lax.platform_dependent(stack, cpu=one_at_a_time, default=fn)
+
+
+def _batched_cholesky_inverse(matrices: jax.Array) -> jax.Array:
+  chol = jnp.linalg.cholesky(matrices)
+  eye = jnp.broadcast_to(jnp.eye(matrices.shape[-1], dtype=matrices.dtype), matrices.shape)
+  return jax.lax.linalg.triangular_solve(chol, eye, left_side=True, lower=True)
+
+
 def cholesky_inverse(matrices: jax.Array) -> jax.Array:
   """Inverses of a stack of symmetric positive-definite matrices by Cholesky.
 
@@ -56,9 +81,7 @@ def cholesky_inverse(matrices: jax.Array) -> jax.Array:
     ``(K, b, b)`` symmetric inverses ``L^-T L^-1``; non-finite where a factorization failed
     (callers keep the previous inverse there).
   """
-  chol = jnp.linalg.cholesky(matrices)
-  eye = jnp.broadcast_to(jnp.eye(matrices.shape[-1], dtype=matrices.dtype), matrices.shape)
-  chol_inv = jax.lax.linalg.triangular_solve(chol, eye, left_side=True, lower=True)
+  chol_inv = _lapack_safe(_batched_cholesky_inverse, matrices)
   inv = jnp.einsum("kji,kjl->kil", chol_inv, chol_inv)
   return 0.5 * (inv + jnp.swapaxes(inv, -1, -2))
 
@@ -79,7 +102,7 @@ def eigh_factors(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
     eigenvectors (columns), ``blocks[k] = vectors[k] @ diag(values[k]) @ vectors[k].T``.
   """
   sym = 0.5 * (blocks + jnp.swapaxes(blocks, -1, -2))
-  values, vectors = jnp.linalg.eigh(sym)
+  values, vectors = _lapack_safe(jnp.linalg.eigh, sym)
   return jnp.maximum(values, 0.0), vectors
 
 

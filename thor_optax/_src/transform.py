@@ -168,7 +168,7 @@ class _Config:
   max_refresh_interval: int
   dtype: Optional[jnp.dtype]
   woodbury_rows: Optional[int] = None
-  block_sharding: Optional[jax.sharding.Sharding] = None
+  block_sharding: Optional[jax.sharding.NamedSharding] = None
 
   def layout(self, tree: Any) -> blocks.BlockLayout:
     return blocks.build_layout(tree, self.block_size, self.woodbury_rows)
@@ -298,18 +298,35 @@ def _uses_woodbury(cfg: _Config, rows: jax.Array, slot: blocks.FactorSlot) -> bo
   return cfg.inverse_method == "auto" and not cfg.store_factors and rows.shape[0] < slot.block
 
 
-def _distribute(stack: jax.Array, sharding: Optional[jax.sharding.Sharding]) -> jax.Array:
-  """Shards a stack of blocks ``(K, ...)`` along ``K`` before it is inverted, so that each
-  device inverts its share (KAISA's layer-wise distribution); no-op for ``None``."""
-  return stack if sharding is None else jax.lax.with_sharding_constraint(stack, sharding)
+def _on_shards(fn: Callable[..., Any], sharding: Optional[jax.sharding.NamedSharding],
+               *stacks: jax.Array) -> Any:
+  """``fn(*stacks)`` for stacks of blocks ``(K, ...)``, each device computing its share.
+
+  With ``sharding`` (a ``NamedSharding`` whose spec names the mesh axes of the block axis),
+  the stacks are padded to a multiple of the number of devices along those axes (with copies
+  of their first block; the padding's results are dropped) and ``fn`` runs under
+  ``jax.shard_map`` on ``ceil(K / D)`` blocks per device (KAISA's layer-wise distribution of
+  the inversion work; THOR's uniform blocks make the shares even). The results are gathered
+  where the optimizer state's sharding puts them. ``None`` runs ``fn`` as is.
+  """
+  if sharding is None:
+    return fn(*stacks)
+  spec = jax.sharding.PartitionSpec(sharding.spec[0] if sharding.spec else None)
+  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  devices = int(np.prod([sharding.mesh.shape[a] for a in axes if a is not None]))
+  k = stacks[0].shape[0]
+  pad = -k % devices
+  padded = [jnp.concatenate([x, jnp.repeat(x[:1], pad, axis=0)]) if pad else x for x in stacks]
+  out = jax.shard_map(fn, mesh=sharding.mesh, in_specs=spec, out_specs=spec)(*padded)
+  return jax.tree.map(lambda y: y[:k], out)
 
 
 def _woodbury_blocks(rows, scale, slot, idx, damping, real, sharding):
   """Damped inverses ``(K, b, b)`` of the factor blocks ``idx`` from the factor's rows, and
   whether each is finite (the ``fn`` of ``blocks.masked_block_update``)."""
   x = jnp.take(blocks.blocked_rows(rows, slot), idx, axis=1)  # (R, K, b)
-  u = _distribute(jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0)), sharding)  # (K, b, R)
-  inv = inverse.woodbury_inverse(u, damping, real)
+  u = jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0))           # (K, b, R)
+  inv = _on_shards(inverse.woodbury_inverse, sharding, u, damping, real)
   return inv, inverse.is_finite_block(inv)
 
 
@@ -319,8 +336,8 @@ def _low_rank_blocks(rows, scale, slot, idx, damping, sharding):
   inverse are unchanged), and whether each is finite."""
   x = jnp.take(blocks.blocked_rows(rows, slot), idx, axis=1)  # (R, K, b)
   u = jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0))           # (K, b, R)
-  u = _distribute(jnp.pad(u, ((0, 0), (0, 0), (0, slot.rank - u.shape[-1]))), sharding)
-  core = inverse.woodbury_core_inverse(u, damping)
+  u = jnp.pad(u, ((0, 0), (0, 0), (0, slot.rank - u.shape[-1])))
+  core = _on_shards(inverse.woodbury_core_inverse, sharding, u, damping)
   out = {"u": u, "core": core, "damping": damping}
   return out, inverse.is_finite_block(u) & inverse.is_finite_block(core)
 
@@ -447,6 +464,8 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
   cov_parts = {g: [] for g in layout.groups}
   woodbury = {g: np.zeros((n,), bool) for g, (_, n) in layout.groups.items()}
   woodbury_out = []  # (slot, inverses or low-rank form, refreshed) per Woodbury factor
+  # One order for every masked refresh of the step (see ``blocks.masked_block_update``).
+  token = jnp.asarray(selected[next(iter(layout.groups))]) if layout.groups else None
   for spec in layout.layers:
     for slot in spec.slots:
       if slot.rank:  # low-rank Woodbury form: no b x b array at all
@@ -461,7 +480,8 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
               _slice(selected[slot.group], slot), old,
               lambda idx, rows=rows, scale=scale, slot=slot, dmp=dmp:
               _low_rank_blocks(rows, scale, slot, idx, dmp[idx], cfg.block_sharding),
-              cfg.num_buckets)
+              cfg.num_buckets, after=token)
+          token = done
           woodbury_out.append((slot, part, done))
         continue
       zeros = jnp.zeros((slot.num_blocks, slot.block, slot.block), dtype)
@@ -478,14 +498,15 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
             mask, _slice(state.inverses[slot.group], slot),
             lambda idx, rows=rows, scale=scale, slot=slot, dmp=dmp, real=real:
             _woodbury_blocks(rows, scale, slot, idx, dmp[idx], real[idx], cfg.block_sharding),
-            cfg.num_buckets)
+            cfg.num_buckets, after=token)
+        token = done
         woodbury_out.append((slot, inv, done))
         continue
-      cov, _ = blocks.masked_block_update(
+      cov, token = blocks.masked_block_update(
           mask, zeros,
           lambda idx, rows=rows, scale=scale, slot=slot: (
               blocks.block_covariances(rows, scale, slot, idx), jnp.ones(idx.shape, bool)),
-          cfg.num_buckets)
+          cfg.num_buckets, after=token)
       cov_parts[slot.group][-1] = cov
 
   new = {name: {} for name in ("inverses", "eigenvalues", "woodbury_u", "woodbury_core",
@@ -537,12 +558,13 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
       source, invert = cov, sel
 
     def refresh(idx, source=source, real=real, dmp=block_damping[g]):
-      blk = _distribute(jnp.take(source, idx, axis=0), cfg.block_sharding)
+      blk = jnp.take(source, idx, axis=0)
       if cfg.eigh:
-        values, vectors = inverse.eigh_factors(blk)
+        values, vectors = _on_shards(inverse.eigh_factors, cfg.block_sharding, blk)
         out = {"inverses": vectors, "eigenvalues": values}
         return out, inverse.is_finite_block(vectors) & inverse.is_finite_block(values)
-      inv = inverse.cholesky_inverse(inverse.damp(blk, dmp[idx], real[idx]))
+      inv = _on_shards(lambda b, d, r: inverse.cholesky_inverse(inverse.damp(b, d, r)),
+                       cfg.block_sharding, blk, dmp[idx], real[idx])
       return {"inverses": inv}, inverse.is_finite_block(inv)
 
     old_inv = {"inverses": state.inverses[g]}
@@ -551,7 +573,9 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
     if woodbury[g].all():  # static: every block of the group came from its rows above
       out, refreshed = old_inv, jnp.zeros((n,), bool)
     else:
-      out, refreshed = blocks.masked_block_update(invert, old_inv, refresh, cfg.num_buckets)
+      out, refreshed = blocks.masked_block_update(invert, old_inv, refresh, cfg.num_buckets,
+                                                  after=token)
+      token = refreshed
     inverses = out["inverses"]
     for slot, inv, done in woodbury_out:
       if slot.group == g:
@@ -781,7 +805,7 @@ def scale_by_thor(
     inverse_period: Period = 1,
     dtype: Optional[jnp.dtype] = None,
     woodbury_rows: Optional[int] = None,
-    block_sharding: Optional[jax.sharding.Sharding] = None,
+    block_sharding: Optional[jax.sharding.NamedSharding] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """THOR's natural-gradient preconditioner (trace rule, uniform blocks, split damping).
 
@@ -822,11 +846,12 @@ def scale_by_thor(
       factors of the steps between are averaged into the stored factors (KAISA's decoupled
       ``inv_update_steps``).
     dtype: dtype of factors and inverses; default: float32, or float64 for float64 parameters.
-    block_sharding: ``None``, or a ``jax.sharding.Sharding`` of the leading axis of a block stack,
-      e.g. ``NamedSharding(mesh, PartitionSpec("data"))``: under ``jax.jit`` on that mesh, every
-      stack of blocks due for inversion is sharded over the devices first, so each device
-      factorizes ``K / D`` blocks instead of all ``K`` (KAISA's layer-wise distribution of the
-      inversion work, THOR's uniform blocks making the shares even). Where the results go is the
+    block_sharding: ``None``, or a ``jax.sharding.NamedSharding`` whose spec names the mesh
+      axis of a block stack's leading axis, e.g. ``NamedSharding(mesh, PartitionSpec("data"))``:
+      every stack of blocks due for inversion is split over those devices
+      (``jax.shard_map``), so each device factorizes ``ceil(K / D)`` blocks instead of all
+      ``K`` (KAISA's layer-wise distribution of the inversion work, THOR's uniform blocks
+      making the shares even). Where the results go is the
       sharding of the optimizer state: replicated gathers every inverse to every device
       (KAISA's COMM-OPT), sharded leaves each device its share (MEM-OPT); see
       :func:`thor_optax.kronecker_state_sharding`.
@@ -875,7 +900,7 @@ def scale_by_kfac(
     max_refresh_interval: int = 64,
     dtype: Optional[jnp.dtype] = None,
     woodbury_rows: Optional[int] = None,
-    block_sharding: Optional[jax.sharding.Sharding] = None,
+    block_sharding: Optional[jax.sharding.NamedSharding] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioner: every block refreshed at every statistics step, whole factors.
 
