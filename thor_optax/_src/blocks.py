@@ -398,7 +398,6 @@ def masked_block_update(
     old: Any,
     fn: Callable[[jax.Array], tuple[Any, jax.Array]],
     num_buckets: int = 4,
-    after: Any = None,
 ) -> tuple[Any, jax.Array]:
   """Recomputes only the blocks selected by ``mask``, with real savings under ``jit``.
 
@@ -415,18 +414,11 @@ def masked_block_update(
       ``idx`` may contain blocks outside the mask when the budget exceeds the count; their
       results are discarded.
     num_buckets: number of non-zero budgets.
-    after: optional pytree of arrays the refresh must wait for. On a device mesh a branch may
-      hold collectives (the covariance of batch-sharded rows, a sharded inversion);
-      XLA:CPU runs independent conditionals concurrently, and two devices entering two of them
-      in different orders wait on each other forever. Passing the previous refresh's output
-      makes every device run the refreshes of a step in one order.
 
   Returns:
     ``(updated, refreshed)``: ``old`` with accepted selected blocks replaced, and the ``(n,)``
     bool mask of blocks actually replaced.
   """
-  if after is not None:
-    mask, _ = jax.lax.optimization_barrier((mask, after))
   n = mask.shape[0]
   budgets = refresh_budgets(n, num_buckets)
   order = jnp.argsort(jnp.logical_not(mask), stable=True).astype(jnp.int32)

@@ -464,8 +464,6 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
   cov_parts = {g: [] for g in layout.groups}
   woodbury = {g: np.zeros((n,), bool) for g, (_, n) in layout.groups.items()}
   woodbury_out = []  # (slot, inverses or low-rank form, refreshed) per Woodbury factor
-  # One order for every masked refresh of the step (see ``blocks.masked_block_update``).
-  token = jnp.asarray(selected[next(iter(layout.groups))]) if layout.groups else None
   for spec in layout.layers:
     for slot in spec.slots:
       if slot.rank:  # low-rank Woodbury form: no b x b array at all
@@ -480,8 +478,7 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
               _slice(selected[slot.group], slot), old,
               lambda idx, rows=rows, scale=scale, slot=slot, dmp=dmp:
               _low_rank_blocks(rows, scale, slot, idx, dmp[idx], cfg.block_sharding),
-              cfg.num_buckets, after=token)
-          token = done
+              cfg.num_buckets)
           woodbury_out.append((slot, part, done))
         continue
       zeros = jnp.zeros((slot.num_blocks, slot.block, slot.block), dtype)
@@ -498,15 +495,14 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
             mask, _slice(state.inverses[slot.group], slot),
             lambda idx, rows=rows, scale=scale, slot=slot, dmp=dmp, real=real:
             _woodbury_blocks(rows, scale, slot, idx, dmp[idx], real[idx], cfg.block_sharding),
-            cfg.num_buckets, after=token)
-        token = done
+            cfg.num_buckets)
         woodbury_out.append((slot, inv, done))
         continue
-      cov, token = blocks.masked_block_update(
+      cov, _ = blocks.masked_block_update(
           mask, zeros,
           lambda idx, rows=rows, scale=scale, slot=slot: (
               blocks.block_covariances(rows, scale, slot, idx), jnp.ones(idx.shape, bool)),
-          cfg.num_buckets, after=token)
+          cfg.num_buckets)
       cov_parts[slot.group][-1] = cov
 
   new = {name: {} for name in ("inverses", "eigenvalues", "woodbury_u", "woodbury_core",
@@ -573,9 +569,7 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
     if woodbury[g].all():  # static: every block of the group came from its rows above
       out, refreshed = old_inv, jnp.zeros((n,), bool)
     else:
-      out, refreshed = blocks.masked_block_update(invert, old_inv, refresh, cfg.num_buckets,
-                                                  after=token)
-      token = refreshed
+      out, refreshed = blocks.masked_block_update(invert, old_inv, refresh, cfg.num_buckets)
     inverses = out["inverses"]
     for slot, inv, done in woodbury_out:
       if slot.group == g:
