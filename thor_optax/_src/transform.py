@@ -321,11 +321,17 @@ def _on_shards(fn: Callable[..., Any], sharding: Optional[jax.sharding.NamedShar
   return jax.tree.map(lambda y: y[:k], out)
 
 
+def _block_factor_roots(rows, scale, slot, idx):
+  """``U (K, b, R)`` of the factor blocks ``idx``: block ``k`` of ``scale * rows^T rows`` is
+  ``U_k U_k^T`` (SKFAC's low-rank form)."""
+  x = jnp.take(blocks.blocked_rows(rows, slot), idx, axis=1)  # (R, K, b)
+  return jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0))
+
+
 def _woodbury_blocks(rows, scale, slot, idx, damping, real, sharding):
   """Damped inverses ``(K, b, b)`` of the factor blocks ``idx`` from the factor's rows, and
   whether each is finite (the ``fn`` of ``blocks.masked_block_update``)."""
-  x = jnp.take(blocks.blocked_rows(rows, slot), idx, axis=1)  # (R, K, b)
-  u = jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0))           # (K, b, R)
+  u = _block_factor_roots(rows, scale, slot, idx)
   inv = _on_shards(inverse.woodbury_inverse, sharding, u, damping, real)
   return inv, inverse.is_finite_block(inv)
 
@@ -334,8 +340,7 @@ def _low_rank_blocks(rows, scale, slot, idx, damping, sharding):
   """Woodbury form ``{u (K, b, m), core (K, m, m), damping (K,)}`` of the factor blocks
   ``idx`` from the factor's ``R <= m`` rows (zero columns pad ``U`` to ``m``: ``U U^T`` and the
   inverse are unchanged), and whether each is finite."""
-  x = jnp.take(blocks.blocked_rows(rows, slot), idx, axis=1)  # (R, K, b)
-  u = jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0))           # (K, b, R)
+  u = _block_factor_roots(rows, scale, slot, idx)
   u = jnp.pad(u, ((0, 0), (0, 0), (0, slot.rank - u.shape[-1])))
   core = _on_shards(inverse.woodbury_core_inverse, sharding, u, damping)
   out = {"u": u, "core": core, "damping": damping}
