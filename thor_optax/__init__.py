@@ -11,12 +11,16 @@ Public API (import from here or from ``thor_optax.flax``; never from ``thor_opta
 * ``rescale_weight_norms``: SP-NGD's cap of kernel norms at ``sqrt(2 d_out)``.
 * ``kronecker_state_sharding``: shardings of the curvature state on a device mesh (replicated,
   or block stacks sharded: KAISA's COMM-OPT / MEM-OPT / HYBRID-OPT).
+* ``concatenate_stats``: the statistics of a batch from those of its micro-batches (gradient
+  accumulation with ``optax.MultiSteps``).
 * ``thor_learning_rate_schedule``, ``thor_damping_schedule``: the paper's schedule shapes.
 * ``CheckSchedule``, ``growing_interval``: which steps are curvature-check steps.
 * ``KroneckerState``, ``LayerDiagnostics``: the transform state and its per-layer record.
 * ``DenseStats``, ``ConvStats``, ``EmbedStats``, ``NormStats``, ``CurvatureStats``: raw
   per-layer statistics.
-* ``thor_optax.flax.value_and_grad_with_stats``: capture from an unchanged Flax linen model.
+* ``thor_optax.flax.value_and_grad_with_stats``: capture from an unchanged Flax linen model;
+  ``thor_optax.flax.TrainState``: Flax's ``TrainState`` whose ``apply_gradients`` takes the
+  statistics.
 """
 
 from thor_optax._src.alias import kaisa
@@ -32,6 +36,7 @@ from thor_optax._src.schedule import growing_interval
 from thor_optax._src.stats import ConvStats
 from thor_optax._src.stats import CurvatureStats
 from thor_optax._src.kl_clip import KLClipState
+from thor_optax._src.micro_batches import concatenate_stats
 from thor_optax._src.kl_clip import scale_by_kl_clip
 from thor_optax._src.stats import DenseStats
 from thor_optax._src.stats import EmbedStats
@@ -55,6 +60,7 @@ __all__ = (
     "LayerDiagnostics",
     "NormStats",
     "growing_interval",
+    "concatenate_stats",
     "kaisa",
     "kfac",
     "kronecker_state_sharding",

@@ -397,24 +397,60 @@ def _refresh_units(state, layout, flat, damping, cfg, dtype):
   return unitwise, stored
 
 
-def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvature_stats: Any,
-                     damping: jax.Array, cfg: _Config) -> KroneckerState:
-  """One statistics step: refresh policy per block, factors, inverses due, diagnostics."""
-  dtype = _state_dtype_of(state)
-  by_name = {spec.name: spec for spec in layout.layers}
-  unit_names = {unit.name for unit in layout.units}
+def _layer_statistics(curvature_stats: Any, layout: blocks.BlockLayout,
+                      masked: frozenset[str]) -> dict[str, stats_lib.LayerStats]:
+  """The statistics of a check step by layer name, validated against the gradient tree.
+
+  Statistics of modules that ``optax.masked`` / ``optax.partition`` hid from this transform
+  (``masked``) are dropped: the whole model's statistics may be passed to every member.
+
+  Raises:
+    ValueError: if the statistics hold no layer at all while the gradients have layers, or name
+      a layer that is not a dense/conv/embedding/normalization layer of the gradients.
+  Warns:
+    UserWarning: naming each layer of the gradients without statistics (with the capture's
+      reason, e.g. a shared layer) and each captured-but-unsupported module; their gradients
+      pass through as they are.
+  """
+  by_name = {spec.name for spec in layout.layers} | {unit.name for unit in layout.units}
   flat = stats_lib.flatten_layer_stats(curvature_stats)
-  unknown = sorted(set(flat) - set(by_name) - unit_names)
+  reasons = dict(note.split(": ", 1) for note in getattr(curvature_stats, "unhandled", ())
+                 if ": " in note)
+  if not flat and by_name:
+    raise ValueError(
+        f"curvature_stats holds no layer statistics, but the gradients have layers "
+        f"{sorted(by_name)}. Pass the statistics returned by value_and_grad_with_stats for the "
+        "same model and batch, or call update without curvature_stats on a plain step."
+        + (f" The capture preconditions none of the model's layers: {reasons}."
+           if reasons else ""))
+  flat = {name: layer for name, layer in flat.items() if name not in masked}
+  unknown = sorted(set(flat) - by_name)
   if unknown:
     raise ValueError(
         f"curvature_stats has statistics for {unknown}, which match no dense/conv/embedding "
-        f"or normalization layer in the gradients (layers: {sorted(by_name)}, normalization: "
-        f"{sorted(unit_names)}). Were they captured from a different model?")
-  missing = sorted(set(by_name) - set(flat))
-  if missing:
+        f"or normalization layer in the gradients (layers: "
+        f"{sorted(spec.name for spec in layout.layers)}, normalization: "
+        f"{sorted(unit.name for unit in layout.units)}). Were they captured from a different "
+        "model? Capture them from the model whose gradients you pass (inside optax.masked / optax.partition, layers of the "
+        "other partitions are ignored).")
+  silent = {name: why for name, why in reasons.items()
+            if name not in by_name and name not in masked}
+  missing = {name: reasons.get(name, "no statistics were passed for it")
+             for name in sorted(by_name - set(flat) - masked)}
+  if missing or silent:
+    notes = "; ".join(f"{name}: {why}" for name, why in {**missing, **silent}.items())
     warnings.warn(
-        f"curvature_stats has no statistics for layers {missing}; their gradients pass through "
-        "unpreconditioned until statistics arrive.", stacklevel=3)
+        f"curvature_stats: layers not preconditioned ({notes}). Their gradients pass through as "
+        "they are; to train them with another optimizer, use optax.partition.", stacklevel=4)
+  return flat
+
+
+def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvature_stats: Any,
+                     damping: jax.Array, cfg: _Config,
+                     masked: frozenset[str] = frozenset()) -> KroneckerState:
+  """One statistics step: refresh policy per block, factors, inverses due, diagnostics."""
+  dtype = _state_dtype_of(state)
+  flat = _layer_statistics(curvature_stats, layout, masked)
   count = state.count
   key = (None if cfg.subsample_key is None
          else jax.random.fold_in(cfg.subsample_key, count))
@@ -764,11 +800,36 @@ def _validate(cfg: _Config) -> None:
     blocks.build_layout({}, cfg.block_size, cfg.woodbury_rows)  # validates the value
 
 
+def _is_params_placeholder(params: Any) -> bool:
+  """Whether ``init`` was called by ``optax.tree_map_params`` (one opaque object, no leaves)."""
+  return type(params).__name__ == "_ParamsPlaceholder" and not jax.tree_util.tree_leaves(params)
+
+
+def _placeholder_state() -> KroneckerState:
+  """The state ``init`` gives ``optax.tree_map_params``'s placeholder.
+
+  The curvature state holds no copy of the parameter tree, so every field is a non-parameter
+  field: each is a single leaf here, a prefix of the real field, so ``tree_map_params`` keeps
+  the real field (or applies ``transform_non_params`` to it as a whole).
+  """
+  return KroneckerState(*(jnp.zeros((), jnp.int32) for _ in KroneckerState._fields))
+
+
+def _masked_modules(updates: Any) -> frozenset[str]:
+  """Module paths (``'Block_0/Dense_1'``) with a leaf that ``optax.masked`` replaced."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(
+      updates, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  return frozenset("/".join(stats_lib.path_keys(path[:-1])) for path, leaf in flat
+                   if isinstance(leaf, optax.MaskedNode))
+
+
 def _kronecker_preconditioner(cfg: _Config) -> optax.GradientTransformationExtraArgs:
   """The shared mechanism behind :func:`scale_by_thor` and :func:`scale_by_kfac`."""
   _validate(cfg)
 
   def init_fn(params):
+    if _is_params_placeholder(params):
+      return _placeholder_state()
     layout = cfg.layout(params)
     return _init_state(layout, _state_dtype(params, cfg.dtype), cfg)
 
@@ -778,7 +839,8 @@ def _kronecker_preconditioner(cfg: _Config) -> optax.GradientTransformationExtra
     _check_state_matches(layout, state)
     lam = cfg.damping(state.count) if callable(cfg.damping) else cfg.damping
     if curvature_stats is not None:
-      state = _curvature_check(state, layout, curvature_stats, lam, cfg)
+      state = _curvature_check(state, layout, curvature_stats, lam, cfg,
+                               _masked_modules(updates))
     updates = precondition(updates, state, layout, cfg.eigh, lam)
     return updates, state._replace(count=optax.safe_int32_increment(state.count))
 

@@ -1,0 +1,68 @@
+"""A Flax linen ``TrainState`` whose ``apply_gradients`` takes the curvature statistics.
+
+``flax.training.train_state.TrainState.apply_gradients(grads=...)`` calls
+``tx.update(grads, opt_state, params)`` with no extra arguments, so a check step's statistics
+cannot reach the preconditioner through it. :class:`TrainState` adds one keyword,
+``curvature_stats``, and otherwise is Flax's class (``create``, ``replace``, serialization,
+``OVERWRITE_WITH_GRADIENT`` handling all come from Flax).
+
+References:
+  Flax ``flax/training/train_state.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import optax
+from flax.training import train_state
+
+from thor_optax._src import stats as stats_lib
+
+
+class TrainState(train_state.TrainState):
+  """Flax's ``TrainState`` with ``apply_gradients(grads=..., curvature_stats=...)``.
+
+  Use it exactly like Flax's (subclass it to add ``batch_stats`` and the like)::
+
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=thor_optax.thor(...))
+    (loss, grads), stats = capture(state.params, x, y)                # a check step
+    state = state.apply_gradients(grads=grads, curvature_stats=stats)
+    state = state.apply_gradients(grads=grads)                        # a plain step
+
+  Attributes:
+    step, apply_fn, params, tx, opt_state: as Flax's ``TrainState``; ``step`` counts calls of
+      ``apply_gradients`` (optimizer steps).
+  """
+
+  def apply_gradients(self, *, grads: Any,
+                      curvature_stats: Optional[stats_lib.CurvatureStats] = None,
+                      **kwargs: Any) -> "TrainState":
+    """One optimizer step: ``tx.update`` (with the statistics, if given), then apply updates.
+
+    Args:
+      grads: gradients with the structure of ``params``.
+      curvature_stats: the statistics of this step's batch (``value_and_grad_with_stats``) on a
+        curvature-check step, passed to ``tx.update`` as ``curvature_stats=``; ``None`` on a
+        plain step.
+      **kwargs: further fields to ``replace`` (as Flax's ``apply_gradients``).
+
+    Returns:
+      the new state, ``step`` incremented by one.
+
+    Raises:
+      TypeError: if ``tx`` does not accept ``curvature_stats`` (it is not built from
+        ``thor_optax`` transforms or composed with ``optax.chain``).
+      ValueError: from the preconditioner, for statistics of another model (the message names
+        the layer).
+    """
+    if curvature_stats is None:
+      return super().apply_gradients(grads=grads, **kwargs)
+    tx = self.tx
+    with_stats = optax.GradientTransformationExtraArgs(
+        tx.init, functools.partial(tx.update, curvature_stats=curvature_stats))
+    # Flax's apply_gradients with ``tx`` bound to the statistics; ``tx=tx`` puts the original
+    # transformation back into the returned state.
+    return train_state.TrainState.apply_gradients(
+        self.replace(tx=with_stats), grads=grads, tx=tx, **kwargs)
