@@ -1,6 +1,7 @@
 """thor_optax: THOR / K-FAC natural-gradient preconditioners as optax gradient transformations.
 
-Public API (import from here or from ``thor_optax.flax``; never from ``thor_optax._src``):
+Public API (import from here, ``thor_optax.flax`` or ``thor_optax.nnx``; never from
+``thor_optax._src``):
 
 * ``scale_by_thor``, ``scale_by_kfac``: the preconditioners (``GradientTransformationExtraArgs``;
   statistics go in as ``update(..., curvature_stats=stats)``); the inversion methods, conv
@@ -21,6 +22,8 @@ Public API (import from here or from ``thor_optax.flax``; never from ``thor_opta
 * ``thor_optax.flax.value_and_grad_with_stats``: capture from an unchanged Flax linen model;
   ``thor_optax.flax.TrainState``: Flax's ``TrainState`` whose ``apply_gradients`` takes the
   statistics.
+* ``thor_optax.nnx.value_and_grad_with_stats``: the same capture from an unchanged Flax NNX
+  model (gradients as ``nnx.grad`` gives them, for ``nnx.Optimizer.update``).
 """
 
 from thor_optax._src.alias import kaisa

@@ -7,6 +7,12 @@ layer's input is recorded and a zero perturbation is added to its output, so the
 that perturbation, returned by the same ``jax.vjp`` that gives the parameter gradients, is the
 layer's output cotangent.
 
+What does not depend on how calls are intercepted is shared with the Flax NNX capture
+(``nnx_capture.py``): the captured classes by kind (:class:`LayerKinds`), which calls are
+captured and why others are not (:func:`plan_calls`), the Fisher options
+(:class:`FisherOptions`) and the ``vjp`` that turns recorded inputs and output cotangents into
+statistics (:func:`vjp_with_stats`).
+
 Captured layer kinds (a single call per forward pass each):
 
 * ``nn.Dense`` -> :class:`DenseStats` (input, output cotangents);
@@ -43,6 +49,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -64,7 +71,7 @@ def _pair(x: Any, default: int = 1) -> Optional[tuple[int, ...]]:
   return tuple(int(v) for v in x)
 
 
-def _conv_metadata(mod: nn.Conv) -> tuple[Optional[dict], str]:
+def _conv_metadata(mod: Any) -> tuple[Optional[dict], str]:
   """Static conv metadata for :class:`ConvStats`, or ``(None, reason)`` if unsupported."""
   kernel_size = mod.kernel_size
   kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
@@ -92,8 +99,35 @@ def _conv_metadata(mod: nn.Conv) -> tuple[Optional[dict], str]:
   ), ""
 
 
-_NORMS = (nn.BatchNorm, nn.LayerNorm)
-_CAPTURED_KINDS = (nn.Dense, nn.Conv, nn.Embed) + _NORMS
+@dataclasses.dataclass(frozen=True)
+class LayerKinds:
+  """The module classes of one Flax API that are captured, by kind.
+
+  The linen and NNX captures share the planning (:func:`plan_calls`) and the statistics
+  (:func:`vjp_with_stats`); only these classes and the way calls are intercepted differ. The
+  classes must have the attributes of their linen counterparts that the planning reads
+  (``kernel_size``, ``strides``, ``padding``, ``input_dilation``, ``kernel_dilation``,
+  ``feature_group_count``, ``mask`` for convolutions; ``use_scale``, ``use_bias`` and ``axis``
+  (BatchNorm) or ``feature_axes`` (LayerNorm) for normalization layers), as ``flax.nnx``'s do.
+  """
+
+  dense: tuple[type, ...]
+  conv: tuple[type, ...]
+  embed: tuple[type, ...]
+  batch_norm: tuple[type, ...]
+  layer_norm: tuple[type, ...]
+
+  @property
+  def norms(self) -> tuple[type, ...]:
+    return self.batch_norm + self.layer_norm
+
+  @property
+  def captured(self) -> tuple[type, ...]:
+    return self.dense + self.conv + self.embed + self.norms
+
+
+LINEN_KINDS = LayerKinds(dense=(nn.Dense,), conv=(nn.Conv,), embed=(nn.Embed,),
+                         batch_norm=(nn.BatchNorm,), layer_norm=(nn.LayerNorm,))
 
 
 def _canonical_axes(axes: Any, ndim: int) -> tuple[int, ...]:
@@ -101,12 +135,12 @@ def _canonical_axes(axes: Any, ndim: int) -> tuple[int, ...]:
   return tuple(sorted({int(a) % ndim for a in axes}))
 
 
-def _norm_reason(mod: nn.Module, in_shape: tuple[int, ...]) -> str:
+def _norm_reason(mod: Any, in_shape: tuple[int, ...], kinds: LayerKinds) -> str:
   """Why a BatchNorm/LayerNorm call cannot be captured (``''`` if it can)."""
   ndim = len(in_shape)
   if ndim < 2:
     return f"normalization input of shape {in_shape} has no batch axis"
-  if isinstance(mod, nn.BatchNorm):
+  if isinstance(mod, kinds.batch_norm):
     feature_axes = _canonical_axes(mod.axis, ndim)
     name = "axis"
   else:
@@ -118,7 +152,7 @@ def _norm_reason(mod: nn.Module, in_shape: tuple[int, ...]) -> str:
   return ""
 
 
-def _primary_input(args: tuple, kwargs: dict) -> Any:
+def primary_input(args: tuple, kwargs: dict) -> Any:
   """The first argument of a layer's ``__call__`` (``inputs`` / ``x``), positional or not."""
   if args:
     return args[0]
@@ -140,7 +174,7 @@ def _norm_stats(x_hat: jax.Array, g: jax.Array, has_scale: bool,
   return stats_lib.NormStats(scale_grads=scale_grads, bias_grads=bias_grads)
 
 
-def _set_nested(tree: dict, path: tuple[str, ...], value: Any) -> None:
+def _set_nested(tree: dict, path: tuple[Any, ...], value: Any) -> None:
   for key in path[:-1]:
     tree = tree.setdefault(key, {})
   tree[path[-1]] = value
@@ -194,6 +228,192 @@ def output_cotangents(outputs: jax.Array, dloss: jax.Array, n_examples: int, fis
   else:
     ct = jnp.broadcast_to(eye, (k,) + f.shape)
   return ct.astype(outputs.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class FisherOptions:
+  """The Fisher options of a capture, validated on construction.
+
+  Attributes:
+    fisher_type: ``'empirical'``, ``'sampled'`` or ``'exact'``.
+    likelihood: ``'softmax_cross_entropy'``, ``'squared_error'`` or ``None`` (empirical only).
+    num_samples: targets drawn per example for ``'sampled'`` (``>= 1``).
+    loss_reduction: ``'mean'`` or ``'sum'``.
+
+  Raises:
+    ValueError: on an unknown ``fisher_type``, ``likelihood`` or ``loss_reduction``, a sampled
+      or exact Fisher without a ``likelihood``, or ``num_samples < 1``.
+  """
+
+  fisher_type: str = "empirical"
+  likelihood: Optional[str] = None
+  num_samples: int = 1
+  loss_reduction: str = "mean"
+
+  def __post_init__(self):
+    if self.fisher_type not in FISHER_TYPES:
+      raise ValueError(
+          f"fisher_type must be one of {FISHER_TYPES}, got {self.fisher_type!r}")
+    if self.fisher_type != "empirical" and self.likelihood not in LIKELIHOODS:
+      raise ValueError(f"fisher_type={self.fisher_type!r} needs likelihood in {LIKELIHOODS}, "
+                       f"got {self.likelihood!r}")
+    if self.loss_reduction not in ("mean", "sum"):
+      raise ValueError(
+          f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+    if self.num_samples < 1:
+      raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+
+  def check_rng(self, rng: Optional[jax.Array]) -> None:
+    """Raises ``ValueError`` if the Fisher type draws targets and ``rng`` is ``None``."""
+    if self.fisher_type == "sampled" and rng is None:
+      raise ValueError(
+          "fisher_type='sampled' draws targets from the model: pass rng=<PRNGKey>.")
+
+
+def note_call(calls: dict, path: tuple[Any, ...], mod: Any, method: str, args: tuple,
+              kwargs: dict, out: jax.Array) -> None:
+  """Records one call of a captured module's method for :func:`plan_calls` (an abstract pass).
+
+  Appends ``(module, method, input shape, output ShapeDtypeStruct)`` to ``calls[path]``.
+  """
+  calls.setdefault(path, []).append(
+      (mod, method, primary_input(args, kwargs).shape,
+       jax.ShapeDtypeStruct(out.shape, out.dtype)))
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+  """``('Block_0', 'Dense_1')`` -> ``'Block_0/Dense_1'`` (integer keys as digits), the layer names
+  the transforms use (``'/'.join(stats.path_keys(...))``)."""
+  return "/".join(str(k) for k in path)
+
+
+def plan_calls(calls: Mapping[tuple[Any, ...], list], module_reasons: Mapping[tuple[Any, ...], str],
+               kinds: LayerKinds) -> tuple[dict, dict]:
+  """Which module calls are captured, and why the others are not.
+
+  Args:
+    calls: ``{module path: [(module, method, input shape, output ShapeDtypeStruct), ...]}``,
+      one entry per call of a captured kind's ``__call__`` (or an embedding's ``attend``) in one
+      forward pass, as :func:`note_call` records them.
+    module_reasons: ``{module path: reason}`` for every module holding parameters: the reason it
+      is listed as unhandled if no captured call was seen for it (e.g. ``'module kind not
+      supported'``).
+    kinds: the captured classes of the Flax API.
+
+  Returns:
+    ``(captured, unhandled)``: ``captured[path] = dict(kind=, meta=, out=)`` with ``kind`` one of
+    ``'dense'``, ``'conv'``, ``'embed'``, ``'norm'``, ``meta`` the static metadata of its
+    statistics and ``out`` the output's ``ShapeDtypeStruct``; ``unhandled[path] = reason``.
+  """
+  unhandled: dict[tuple[Any, ...], str] = {}
+  captured: dict[tuple[Any, ...], dict] = {}
+  for path, seen in calls.items():
+    mod, _, in_shape, out = seen[0]
+    if isinstance(mod, kinds.norms) and not (mod.use_scale or mod.use_bias):
+      continue  # no parameters, nothing to precondition
+    if isinstance(mod, kinds.embed) and any(method == "attend" for _, method, _, _ in seen):
+      unhandled[path] = "attend() used in the forward pass (tied embedding: shared layer)"
+      continue
+    if len(seen) > 1:
+      unhandled[path] = f"called {len(seen)} times per forward pass (shared layer)"
+      continue
+    meta = {}
+    if isinstance(mod, kinds.conv):
+      meta, reason = _conv_metadata(mod)
+      if meta is None:
+        unhandled[path] = reason
+        continue
+      if len(in_shape) < 4:
+        unhandled[path] = f"conv input of shape {in_shape} has no batch axis"
+        continue
+      kind = "conv"
+    elif isinstance(mod, kinds.embed):
+      if not in_shape:
+        unhandled[path] = "embedding of a scalar id (no batch axis)"
+        continue
+      kind = "embed"
+    elif isinstance(mod, kinds.norms):
+      reason = _norm_reason(mod, in_shape, kinds)
+      if reason:
+        unhandled[path] = reason
+        continue
+      kind = "norm"
+      meta = dict(has_scale=bool(mod.use_scale), has_bias=bool(mod.use_bias))
+    else:
+      kind = "dense"
+    captured[path] = dict(kind=kind, meta=meta, out=out)
+  for path, reason in module_reasons.items():
+    if path not in captured and path not in unhandled:
+      unhandled[path] = reason
+  return captured, unhandled
+
+
+def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
+                     unhandled: Mapping[tuple[Any, ...], str],
+                     layer_inputs: Mapping[tuple[Any, ...], jax.Array],
+                     cts: Mapping[tuple[Any, ...], jax.Array]) -> stats_lib.CurvatureStats:
+  """Per-kind statistics from the recorded inputs (``x_hat`` for norms) and cotangents."""
+  layers: dict = {}
+  for path, c in captured.items():
+    a, g = layer_inputs[path], cts[path]
+    if c["kind"] == "conv":
+      # Fold any extra leading batch axes into N (flax convs accept them).
+      a = a.reshape((-1,) + a.shape[-3:])
+      g = g.reshape((g.shape[0], -1) + g.shape[-3:])
+      layer = stats_lib.ConvStats(inputs=a, cotangents=g, **c["meta"])
+    elif c["kind"] == "embed":
+      layer = stats_lib.EmbedStats(inputs=a, cotangents=g)
+    elif c["kind"] == "norm":
+      layer = _norm_stats(a, g, **c["meta"])
+    else:
+      layer = stats_lib.DenseStats(inputs=a, cotangents=g)
+    _set_nested(layers, path, layer)
+  notes = tuple(f"{path_name(p)}: {why}"
+                for p, why in sorted(unhandled.items(), key=lambda kv: path_name(kv[0])))
+  return stats_lib.CurvatureStats(layers=layers, unhandled=notes)
+
+
+def vjp_with_stats(
+    forward: Callable[[Any, dict], tuple[jax.Array, tuple[dict, Any]]],
+    params: Any,
+    captured: Mapping[tuple[Any, ...], dict],
+    unhandled: Mapping[tuple[Any, ...], str],
+    loss_fn: Callable[[jax.Array, Any], jax.Array],
+    targets: Any,
+    rng: Optional[jax.Array],
+    options: FisherOptions,
+) -> tuple[jax.Array, Any, stats_lib.CurvatureStats, Any]:
+  """Loss, gradients and statistics from one ``jax.vjp`` of an instrumented forward pass.
+
+  Args:
+    forward: ``forward(params, perturbations) -> (outputs, (layer_inputs, aux))``: the model's
+      forward pass that adds ``perturbations[path]`` (zeros of the layer's output shape) to the
+      output of every captured layer and records its input (``x_hat`` for a normalization layer)
+      in ``layer_inputs[path]``; ``aux`` is passed through (e.g. updated model state).
+    params: the differentiated parameters (any pytree).
+    captured, unhandled: from :func:`plan_calls`.
+    loss_fn: ``loss_fn(outputs, targets) -> scalar``.
+    targets: second argument of ``loss_fn``.
+    rng: PRNG key for ``'sampled'``.
+    options: the Fisher options.
+
+  Returns:
+    ``(loss, grads, stats, aux)``; ``grads`` has the structure of ``params``; ``stats`` is a
+    :class:`CurvatureStats` whose layers nest by the keys of each captured path.
+  """
+  perturbations = {path: jnp.zeros(c["out"].shape, c["out"].dtype)
+                   for path, c in captured.items()}
+  outputs, vjp_fn, (layer_inputs, aux) = jax.vjp(forward, params, perturbations, has_aux=True)
+  loss, dloss = jax.value_and_grad(loss_fn)(outputs, targets)
+  grads, layer_cts = vjp_fn(dloss.astype(outputs.dtype))
+  n_examples = math.prod(outputs.shape[:-1]) if options.loss_reduction == "mean" else 1
+  if options.fisher_type == "empirical":
+    cts = jax.tree_util.tree_map(lambda c: (c * n_examples)[None], layer_cts)
+  else:
+    out_cts = output_cotangents(outputs, dloss, n_examples, options.fisher_type,
+                                options.likelihood, options.num_samples, rng)
+    cts = jax.vmap(lambda ct: vjp_fn(ct)[1])(out_cts)
+  return loss, grads, _curvature_stats(captured, unhandled, layer_inputs, cts), aux
 
 
 def value_and_grad_with_stats(
@@ -251,15 +471,7 @@ def value_and_grad_with_stats(
       or exact Fisher without a ``likelihood``, or ``num_samples < 1``; from ``fn``, for a
       sampled Fisher called without ``rng`` or a ``model_state`` holding ``"params"``.
   """
-  if fisher_type not in FISHER_TYPES:
-    raise ValueError(f"fisher_type must be one of {FISHER_TYPES}, got {fisher_type!r}")
-  if fisher_type != "empirical" and likelihood not in LIKELIHOODS:
-    raise ValueError(
-        f"fisher_type={fisher_type!r} needs likelihood in {LIKELIHOODS}, got {likelihood!r}")
-  if loss_reduction not in ("mean", "sum"):
-    raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-  if num_samples < 1:
-    raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+  options = FisherOptions(fisher_type, likelihood, num_samples, loss_reduction)
 
   def returns_state(mutable, apply_kwargs):
     """Whether ``model.apply`` returns ``(outputs, mutated)`` rather than ``outputs``."""
@@ -279,11 +491,9 @@ def value_and_grad_with_stats(
       out = next_fun(*args, **kwargs)
       mod = context.module
       method = context.method_name
-      if isinstance(mod, _CAPTURED_KINDS) and (
+      if isinstance(mod, LINEN_KINDS.captured) and (
           method == "__call__" or (method == "attend" and isinstance(mod, nn.Embed))):
-        calls.setdefault(mod.path, []).append(
-            (mod, method, _primary_input(args, kwargs).shape,
-             jax.ShapeDtypeStruct(out.shape, out.dtype)))
+        note_call(calls, mod.path, mod, method, args, kwargs, out)
       return out
 
     def run(p, state, x):
@@ -293,63 +503,17 @@ def value_and_grad_with_stats(
     jax.eval_shape(run, params, model_state, inputs)
     return calls
 
-  def plan(calls, params):
-    """Which calls are captured (``path -> kind, metadata``) and why others are not."""
-    unhandled: dict[tuple[str, ...], str] = {}
-    captured: dict[tuple[str, ...], dict] = {}
-    for path, seen in calls.items():
-      mod, _, in_shape, out = seen[0]
-      if isinstance(mod, _NORMS) and not (mod.use_scale or mod.use_bias):
-        continue  # no parameters, nothing to precondition
-      if isinstance(mod, nn.Embed) and any(method == "attend" for _, method, _, _ in seen):
-        unhandled[path] = "attend() used in the forward pass (tied embedding: shared layer)"
-        continue
-      if len(seen) > 1:
-        unhandled[path] = f"called {len(seen)} times per forward pass (shared layer)"
-        continue
-      meta = {}
-      if isinstance(mod, nn.Conv):
-        meta, reason = _conv_metadata(mod)
-        if meta is None:
-          unhandled[path] = reason
-          continue
-        if len(in_shape) < 4:
-          unhandled[path] = f"conv input of shape {in_shape} has no batch axis"
-          continue
-        kind = "conv"
-      elif isinstance(mod, nn.Embed):
-        if not in_shape:
-          unhandled[path] = "embedding of a scalar id (no batch axis)"
-          continue
-        kind = "embed"
-      elif isinstance(mod, _NORMS):
-        reason = _norm_reason(mod, in_shape)
-        if reason:
-          unhandled[path] = reason
-          continue
-        kind = "norm"
-        meta = dict(has_scale=bool(mod.use_scale), has_bias=bool(mod.use_bias))
-      else:
-        kind = "dense"
-      captured[path] = dict(kind=kind, meta=meta, out=out)
-    for path in _module_paths(params):
-      if path not in captured and path not in unhandled:
-        unhandled[path] = "module kind not supported"
-    return captured, unhandled
-
   def fn(params, inputs, targets, *, rng=None, model_state: Optional[Mapping] = None,
          mutable: Union[bool, str, Sequence[str]] = False, **apply_kwargs):
-    if fisher_type == "sampled" and rng is None:
-      raise ValueError("fisher_type='sampled' draws targets from the model: pass rng=<PRNGKey>.")
+    options.check_rng(rng)
     model_state = dict(model_state or {})
     if "params" in model_state:
       raise ValueError("model_state holds the non-parameter collections; pass params "
                        "as the first argument.")
     calls = discover(params, model_state, inputs, mutable, apply_kwargs)
-    captured, unhandled = plan(calls, params)
-
-    perturbations = {path: jnp.zeros(c["out"].shape, c["out"].dtype)
-                     for path, c in captured.items()}
+    captured, unhandled = plan_calls(
+        calls, {path: "module kind not supported" for path in _module_paths(params)},
+        LINEN_KINDS)
     norm_paths = {path for path, c in captured.items() if c["kind"] == "norm"}
 
     def forward(p, perts):
@@ -361,7 +525,7 @@ def value_and_grad_with_stats(
         if in_clone[0] or context.method_name != "__call__" or path not in perts:
           return next_fun(*args, **kwargs)
         if path not in norm_paths:
-          layer_inputs[path] = args[0] if args else _primary_input(args, kwargs)
+          layer_inputs[path] = primary_input(args, kwargs)
           return next_fun(*args, **kwargs) + perts[path]
         mod = context.module
         # Non-parameter collections (batch_stats) as the layer sees them, before it updates them.
@@ -380,35 +544,8 @@ def value_and_grad_with_stats(
         outputs, mutated = apply({"params": p, **model_state}, inputs, mutable, apply_kwargs)
       return outputs, (layer_inputs, mutated)
 
-    outputs, vjp_fn, (layer_inputs, mutated) = jax.vjp(
-        forward, params, perturbations, has_aux=True)
-    loss, dloss = jax.value_and_grad(loss_fn)(outputs, targets)
-    grads, layer_cts = vjp_fn(dloss.astype(outputs.dtype))
-    n_examples = math.prod(outputs.shape[:-1]) if loss_reduction == "mean" else 1
-    if fisher_type == "empirical":
-      cts = jax.tree_util.tree_map(lambda c: (c * n_examples)[None], layer_cts)
-    else:
-      out_cts = output_cotangents(outputs, dloss, n_examples, fisher_type, likelihood,
-                                  num_samples, rng)
-      cts = jax.vmap(lambda ct: vjp_fn(ct)[1])(out_cts)
-
-    layers: dict = {}
-    for path, c in captured.items():
-      a, g = layer_inputs[path], cts[path]
-      if c["kind"] == "conv":
-        # Fold any extra leading batch axes into N (flax convs accept them).
-        a = a.reshape((-1,) + a.shape[-3:])
-        g = g.reshape((g.shape[0], -1) + g.shape[-3:])
-        layer = stats_lib.ConvStats(inputs=a, cotangents=g, **c["meta"])
-      elif c["kind"] == "embed":
-        layer = stats_lib.EmbedStats(inputs=a, cotangents=g)
-      elif c["kind"] == "norm":
-        layer = _norm_stats(a, g, **c["meta"])
-      else:
-        layer = stats_lib.DenseStats(inputs=a, cotangents=g)
-      _set_nested(layers, path, layer)
-    notes = tuple(f"{'/'.join(p)}: {why}" for p, why in sorted(unhandled.items()))
-    stats = stats_lib.CurvatureStats(layers=layers, unhandled=notes)
+    loss, grads, stats, mutated = vjp_with_stats(forward, params, captured, unhandled, loss_fn,
+                                                 targets, rng, options)
     if not returns_state(mutable, apply_kwargs):
       return (loss, grads), stats
     return (loss, grads), stats, mutated

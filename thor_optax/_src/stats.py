@@ -155,5 +155,14 @@ def flatten_layer_stats(stats: CurvatureStats | Mapping[str, Any]) -> dict[str, 
 
 
 def path_keys(path: tuple[Any, ...]) -> tuple[str, ...]:
-  """A pytree key path as plain strings (``(DictKey('a'), DictKey('b'))`` -> ``('a', 'b')``)."""
+  """A pytree key path as plain strings (``(DictKey('a'), DictKey('b'))`` -> ``('a', 'b')``).
+
+  Integer keys (``nnx.List`` items) become digits (``DictKey(0)`` -> ``'0'``). A trailing
+  ``GetAttrKey('value')``, the child of a Flax NNX ``Variable`` (an ``nnx.State`` of ``Param``
+  leaves, as ``nnx.Optimizer`` passes to ``tx.init``), is dropped, so that a parameter has the
+  same path whether it is held by a ``Variable`` or is a plain array (``nnx.as_pure``).
+  """
+  if (path and isinstance(path[-1], jax.tree_util.GetAttrKey)
+      and path[-1].name == "value"):
+    path = path[:-1]
   return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)

@@ -1,0 +1,296 @@
+"""Capture of curvature statistics from an unchanged Flax NNX model.
+
+``value_and_grad_with_stats(loss_fn)(model, x, y)`` is the NNX counterpart of the linen capture
+(:mod:`thor_optax._src.capture`): one forward and one backward pass give the loss, the gradients
+(as ``nnx.grad`` gives them) and the statistics of every captured layer, by the same zero
+output perturbations and the same planning, Fisher types and per-kind statistics.
+
+Why class-level patching. Linen routes every module method through
+``flax.linen.intercept_methods``; NNX has no such hook. ``nnx.capture``/``sow``/``perturb`` work
+only where the model itself calls them, i.e. they need a model edit. So while the capture runs
+its forward passes, ``__call__`` of ``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``,
+``nnx.BatchNorm`` and ``nnx.LayerNorm`` (and ``nnx.Embed.attend``, to detect tied embeddings)
+is replaced on the class by a wrapper, inside a context manager that restores the originals in
+``finally``. User models are never edited. The wrappers act only on the thread that entered the
+context and only on the modules of the model copy being captured (found by object identity);
+every other call, in this or another thread, goes to the original method. Nested captures are
+reference-counted, so the classes are restored when the outermost one exits.
+
+How the model is run. The model is split into its ``nnx.Param`` state and the rest
+(``BatchStat``, RNG keys and counts, other variables); the forward pass merges a fresh copy
+(``nnx.merge(..., copy=True)``) inside ``jax.vjp`` and calls it once, with patched layers that
+record their input and add a zero perturbation to their output. The copy's non-``Param`` state
+after the call (updated running averages, advanced RNG counts) is written back to the model
+with ``nnx.update``, so the model ends exactly as after a plain ``model(x)`` call; this works
+under ``nnx.jit``. Before that, an abstract pass (``jax.eval_shape``, no FLOPs) on another copy
+finds the calls, their shapes and the layers that cannot be captured.
+
+``x_hat`` of a normalization layer (the normalized input before scale and bias) comes from a
+clone of the layer taken before its call (``nnx.clone``: the running statistics as the layer
+sees them), with its scale set to ones and its bias to zeros, applied to the same arguments:
+``x_hat * 1 + 0`` is exact, is never formed as ``(y - bias) / scale`` (zero scale is legal), and
+has the layer's output dtype. The clone's own running-average update is discarded.
+
+Limitations:
+
+* only the classes above are intercepted, and only their own ``__call__`` (a subclass that
+  overrides ``__call__`` without calling ``super().__call__`` is not captured; it is listed
+  as unhandled);
+* layers run inside NNX lifted transforms (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``, ...) are
+  seen as copies made by the transform, so they are not captured and are listed as unhandled
+  (stacked parameters of ``nnx.vmap``-created layers have extra axes and are not
+  Kronecker-factored anyway); calling a layer inside a raw ``jax`` transform (``jax.checkpoint``,
+  ``jax.lax.scan`` of a closure) within the model is not supported.
+
+References:
+  kfac-jax ``tracer.py``: zero perturbations of layer outputs give output cotangents in one vjp.
+  Flax NNX ``nnx.split`` / ``nnx.merge`` / ``nnx.update``: the functional API ``nnx.grad`` is
+  built on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from thor_optax._src import capture as capture_lib
+
+NNX_KINDS = capture_lib.LayerKinds(
+    dense=(nnx.Linear,), conv=(nnx.Conv,), embed=(nnx.Embed,),
+    batch_norm=(nnx.BatchNorm,), layer_norm=(nnx.LayerNorm,))
+
+# (class, method) replaced while a capture runs.
+_PATCHED = tuple((cls, "__call__") for cls in NNX_KINDS.captured) + ((nnx.Embed, "attend"),)
+
+# handler(original, module, method, args, kwargs): original is the unpatched function.
+_Handler = Callable[[Callable[..., Any], nnx.Module, str, tuple, dict], Any]
+
+_local = threading.local()  # .handler: the innermost active handler of this thread
+_patch_lock = threading.Lock()
+_patch_depth = 0
+_originals: dict[tuple[type, str], Any] = {}
+
+
+def _wrapper(original: Callable[..., Any], method: str) -> Callable[..., Any]:
+  """The replacement of ``cls.method``: the thread's handler if one is active, else original."""
+
+  @functools.wraps(original)
+  def wrapped(self, *args, **kwargs):
+    handler = getattr(_local, "handler", None)
+    if handler is None:
+      return original(self, *args, **kwargs)
+    return handler(original, self, method, args, kwargs)
+
+  return wrapped
+
+
+@contextlib.contextmanager
+def _intercept(handler: _Handler) -> Iterator[None]:
+  """Routes calls of the patched layer methods to ``handler`` within the block.
+
+  ``handler(original, module, method, args, kwargs)`` gets ``original``, the unpatched function
+  (``original(module, *args, **kwargs)`` is not intercepted again), and returns the call's
+  result. The classes are patched on entry of the outermost block and restored in
+  ``finally``.
+  """
+  global _patch_depth
+  with _patch_lock:
+    if _patch_depth == 0:
+      for cls, name in _PATCHED:
+        original = cls.__dict__[name]
+        _originals[(cls, name)] = original
+        setattr(cls, name, _wrapper(original, name))
+    _patch_depth += 1
+  previous = getattr(_local, "handler", None)
+  _local.handler = handler
+  try:
+    yield
+  finally:
+    _local.handler = previous
+    with _patch_lock:
+      _patch_depth -= 1
+      if _patch_depth == 0:
+        for (cls, name), original in _originals.items():
+          setattr(cls, name, original)
+        _originals.clear()
+
+
+def _module_paths(model: nnx.Module) -> dict[int, tuple[Any, ...]]:
+  """``{id(module): path}`` for every module of the graph (a shared module: its first path,
+  the one ``nnx.split`` files its variables under)."""
+  paths: dict[int, tuple[Any, ...]] = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module):
+      paths.setdefault(id(node), tuple(path))
+  return paths
+
+
+def _module_reasons(model: nnx.Module, params: nnx.State) -> dict[tuple[Any, ...], str]:
+  """Why each module holding ``Param`` leaves would be unhandled if no captured call is seen."""
+  modules = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module):
+      modules.setdefault(tuple(path), node)
+  reasons = {}
+  for path, _ in nnx.to_flat_state(params):
+    owner = tuple(path[:-1])
+    if isinstance(modules.get(owner), NNX_KINDS.captured):
+      reasons[owner] = ("not called directly in the forward pass (unused, or run inside an NNX "
+                        "transform such as nnx.scan, nnx.vmap or nnx.remat)")
+    else:
+      reasons[owner] = "module kind not supported"
+  return reasons
+
+
+def _unit_affine_clone(mod: nnx.Module) -> nnx.Module:
+  """A clone of a normalization layer with scale 1 and bias 0 (its output is ``x_hat``).
+
+  Taken before the layer's own call, so it holds the running statistics as the layer sees them;
+  its variables are its own, so its call leaves the layer's untouched.
+  """
+  plain = nnx.clone(mod)
+  if plain.scale is not None:
+    plain.scale[...] = jnp.ones_like(plain.scale[...])
+  if plain.bias is not None:
+    plain.bias[...] = jnp.zeros_like(plain.bias[...])
+  return plain
+
+
+def value_and_grad_with_stats(
+    loss_fn: Callable[[jax.Array, Any], jax.Array],
+    *,
+    fisher_type: str = "empirical",
+    likelihood: Optional[str] = None,
+    num_samples: int = 1,
+    loss_reduction: str = "mean",
+) -> Callable[..., Any]:
+  """Loss, gradients and per-layer curvature statistics of a Flax NNX model, in one pass.
+
+  The NNX counterpart of ``thor_optax.flax.value_and_grad_with_stats``: the model is not
+  edited (the captured layer classes are patched while the capture runs; see the module
+  docstring). Captured: ``nnx.Linear`` (any number of leading axes), ``nnx.Conv`` (2-D, NHWC,
+  one feature group, unmasked, SAME/VALID/explicit padding), ``nnx.Embed`` (``__call__`` only),
+  ``nnx.BatchNorm`` and ``nnx.LayerNorm`` (scale and/or bias over the last axis), each called
+  once per forward pass.
+
+  Args:
+    loss_fn: scalar training loss of the model output and the targets,
+      ``loss_fn(model(inputs), targets)``.
+    fisher_type: which cotangents form ``G``: ``'empirical'`` (the training loss's, no extra
+      pass), ``'sampled'`` (``num_samples`` targets per example drawn from the model's
+      predictive ``likelihood``; ``fn`` then needs ``rng``) or ``'exact'`` (every one of the
+      ``K`` outputs weighted by the predictive distribution; ``K`` backward passes).
+    likelihood: the predictive distribution of the sampled and exact types,
+      ``'softmax_cross_entropy'`` or ``'squared_error'`` (unit-variance Gaussian).
+    num_samples: ``S`` of ``'sampled'``.
+    loss_reduction: how ``loss_fn`` reduces over the leading output axes: ``'mean'`` (the
+      cotangents are rescaled to per-example ones) or ``'sum'``.
+
+  Returns:
+    ``fn(model, inputs, targets, rng=None, **call_kwargs) -> ((loss, grads), stats)``, which
+    calls ``model(inputs, **call_kwargs)`` once (e.g. ``train=True`` or a ``mask`` go in
+    ``call_kwargs``), where:
+
+    * ``grads`` is what ``nnx.grad(lambda m: loss_fn(m(inputs), targets))(model)`` gives: an
+      ``nnx.State`` of the model's ``nnx.Param`` variables, ready for
+      ``nnx.Optimizer(model, tx, wrt=nnx.Param).update(model, grads, curvature_stats=stats)``;
+    * ``stats`` is a :class:`CurvatureStats` whose ``layers`` nest like ``grads`` at every
+      captured layer (``stats.layers['blocks'][0]['linear']`` for the module at
+      ``model.blocks[0].linear``): :class:`DenseStats` (inputs ``(N, ..., d_in)``, cotangents
+      ``(S, N, ..., d_out)``), :class:`ConvStats` (inputs ``(N, H, W, C)``),
+      :class:`EmbedStats` (ids ``(N, ...)``, cotangents ``(S, N, ..., features)``) or
+      :class:`NormStats` (``(S, N, C)`` per-example scale and bias gradients). Cotangents are
+      per example: ``N`` times those of a mean loss. ``unhandled`` lists, as ``"path: reason"``
+      with ``/``-joined paths, the modules with parameters that were not captured (layers called
+      more than once, tied embeddings, unsupported convolutions or normalization axes, other
+      module kinds); their gradients pass through the transforms unchanged.
+
+    The model's non-``Param`` state (``nnx.BatchStat`` running averages of a training-mode
+    BatchNorm, ``nnx.Rngs`` counts used by dropout, other variables) is updated in place exactly
+    as by ``model(inputs, **call_kwargs)``; ``fn`` may be called inside ``nnx.jit``.
+
+  Raises:
+    ValueError: on an unknown ``fisher_type``, ``likelihood`` or ``loss_reduction``, a sampled
+      or exact Fisher without a ``likelihood``, or ``num_samples < 1``; from ``fn``, for a
+      sampled Fisher called without ``rng``.
+    TypeError: from ``fn``, if ``model`` is not an ``nnx.Module`` (e.g. a linen module: use
+      ``thor_optax.flax.value_and_grad_with_stats``).
+
+  References:
+    Martens & Grosse, K-FAC, ICML 2015, section 5 (sampled targets for the true Fisher).
+    kfac-jax ``tracer.py`` (output perturbations); Flax NNX functional API (split/merge/update).
+  """
+  options = capture_lib.FisherOptions(fisher_type, likelihood, num_samples, loss_reduction)
+
+  def discover(graphdef, params, rest, inputs, call_kwargs):
+    """Calls, shapes and metadata of every patched layer (an abstract pass, no FLOPs)."""
+    calls: dict[tuple[Any, ...], list] = {}
+
+    def run(p, r):
+      copy = nnx.merge(graphdef, p, r, copy=True)
+      paths = _module_paths(copy)
+
+      def record(original, mod, method, args, kwargs):
+        try:
+          out = original(mod, *args, **kwargs)
+        except Exception as e:  # name the failing layer, keep the exception as it is
+          if id(mod) in paths and hasattr(e, "add_note"):  # Python >= 3.11
+            e.add_note(f"in {type(mod).__name__}.{method} of the layer at "
+                       f"'{capture_lib.path_name(paths[id(mod)])}' (thor_optax.nnx capture)")
+          raise
+        if id(mod) in paths:
+          capture_lib.note_call(calls, paths[id(mod)], mod, method, args, kwargs, out)
+        return out
+
+      with _intercept(record):
+        copy(inputs, **call_kwargs)
+
+    jax.eval_shape(run, params, rest)
+    return calls
+
+  def fn(model, inputs, targets, rng=None, **call_kwargs):
+    options.check_rng(rng)
+    if not isinstance(model, nnx.Module):
+      raise TypeError(
+          f"value_and_grad_with_stats (NNX) needs an nnx.Module, got {type(model).__name__}; "
+          "for a linen module use thor_optax.flax.value_and_grad_with_stats.")
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    calls = discover(graphdef, params, rest, inputs, call_kwargs)
+    captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params),
+                                                 NNX_KINDS)
+    norm_paths = {path for path, c in captured.items() if c["kind"] == "norm"}
+
+    def forward(p, perts):
+      copy = nnx.merge(graphdef, p, rest, copy=True)
+      paths = _module_paths(copy)
+      layer_inputs = {}
+
+      def intercept(original, mod, method, args, kwargs):
+        path = paths.get(id(mod))
+        if method != "__call__" or path not in perts:
+          return original(mod, *args, **kwargs)
+        if path not in norm_paths:
+          layer_inputs[path] = capture_lib.primary_input(args, kwargs)
+          return original(mod, *args, **kwargs) + perts[path]
+        plain = _unit_affine_clone(mod)
+        out = original(mod, *args, **kwargs)
+        layer_inputs[path] = jax.lax.stop_gradient(original(plain, *args, **kwargs))
+        return out + perts[path]
+
+      with _intercept(intercept):
+        outputs = copy(inputs, **call_kwargs)
+      _, _, new_rest = nnx.split(copy, nnx.Param, ...)
+      return outputs, (layer_inputs, new_rest)
+
+    loss, grads, stats, new_rest = capture_lib.vjp_with_stats(
+        forward, params, captured, unhandled, loss_fn, targets, rng, options)
+    nnx.update(model, new_rest)
+    return (loss, grads), stats
+
+  return fn
