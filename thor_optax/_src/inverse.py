@@ -58,7 +58,15 @@ def _lapack_safe(fn: Callable[[jax.Array], Any], stack: jax.Array) -> Any:
   and the program hangs. A batch of one is run inline, so on CPU ``fn`` is mapped over the
   stack (``lax.map``); other platforms get the batched call. The choice is made per platform
   when the function is lowered (``lax.platform_dependent``).
+
+  LAPACK and cuSOLVER factorize float32 and float64 only: a narrower stack (a state kept in
+  ``dtype=jnp.bfloat16`` or ``float16``) is factorized in float32 and the results are cast
+  back to its dtype.
   """
+  if jnp.issubdtype(stack.dtype, jnp.floating) and jnp.finfo(stack.dtype).bits < 32:
+    out = _lapack_safe(fn, stack.astype(jnp.float32))
+    return jax.tree.map(lambda y: y.astype(stack.dtype), out)
+
   def one_at_a_time(x):
     return jax.tree.map(lambda y: y[:, 0], jax.lax.map(lambda m: fn(m[None]), x))
 

@@ -486,7 +486,7 @@ def _curvature_check(state: KroneckerState, layout: blocks.BlockLayout, curvatur
     for slot, rows, scale, tr in parts:
       d = d_a if slot is spec.a else d_g
       g = slot.group
-      damped = jnp.where(finite, tr + d * _real_counts(slot), 0.0)
+      damped = jnp.where(finite, tr + d * jnp.asarray(_real_counts(slot), dtype), 0.0)
       trace_now[g] = trace_now[g].at[slot.start:slot.stop].set(damped)
       block_damping[g] = block_damping[g].at[slot.start:slot.stop].set(d)
       valid[g] = valid[g].at[slot.start:slot.stop].set(finite)
