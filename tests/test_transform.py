@@ -168,6 +168,20 @@ def test_damping_schedule_is_read_at_the_step_count(setup):
   _tree_allclose(state.inverses, ref.inverses, rtol=1e-5)
 
 
+def test_steps_before_the_first_statistics_pass_the_gradient_and_count_no_refresh(setup):
+  """A check step whose statistics are missing cannot be detected (the schedule is host-side):
+  the README documents that the held inverses, the identity before any check, are applied and
+  the diagnostics record no refresh."""
+  params, grads, _ = setup
+  tx = thor_optax.scale_by_thor(0.03, block_size=4)
+  state = tx.init(params)
+  for _ in range(2):
+    updates, state = tx.update(grads, state, params)
+    _tree_allclose(updates, grads, rtol=0.0)
+  for name, d in state.diagnostics.items():
+    assert int(d.total_refreshes) == 0 and int(d.blocks_refreshed) == 0, name
+
+
 def test_ema_averages_factors_over_refreshes(setup):
   params, grads, stats = setup
   decay = 0.75
