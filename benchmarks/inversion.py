@@ -8,21 +8,21 @@ entries i.i.d. standard normal, float32, seed ``--seed``). It is laid out in two
 * **split**: THOR's hardware-driven split, ``blocks.split_shape(d, 128)``: ``K = ceil(d / 128)``
   diagonal blocks of 128 (a factor narrower than 128 is one block of the next power of two), a
   ``(K, b, b)`` stack built with ``blocks.block_covariances``; the columns are zero-padded to
-  ``b K`` and the padding gets the identity through the ``real`` mask of ``inverse.damp`` /
-  ``inverse.woodbury_inverse``, as in the package (no padding for multiples of 128).
+  ``b K`` and the padding gets the identity through the ``real`` mask of ``linalg.damp`` /
+  ``linalg.woodbury_inverse``, as in the package (no padding for multiples of 128).
 
 and each stack is handed to one of the package's batched inverses:
 
-* ``cholesky``: ``inverse.cholesky_inverse(inverse.damp(F_blocks, damping, real))``;
-* ``eigh``: ``inverse.eigh_factors(F_blocks)`` (undamped; the damping is applied later, when a
+* ``cholesky``: ``linalg.cholesky_inverse(linalg.damp(F_blocks, damping, real))``;
+* ``eigh``: ``linalg.eigh_factors(F_blocks)`` (undamped; the damping is applied later, when a
   gradient is preconditioned, so it is not part of this cost);
-* ``woodbury``: ``inverse.woodbury_inverse(U_blocks, damping, real)`` from the rows,
+* ``woodbury``: ``linalg.woodbury_inverse(U_blocks, damping, real)`` from the rows,
   ``U = sqrt(1/m) X^T`` blocked like ``F`` (``(K, b, m)``); it includes forming the ``m x m``
   core ``U^T U``, while the other two start from the given ``F`` blocks. It is cheaper only when
   ``m < b``; it is timed in every case, and cells where ``m >= b`` are marked with ``*``.
 
 The damping added to the factor's diagonal is ``sqrt(0.03)``: THOR splits ``lambda = 0.03``
-as ``sqrt(lambda)`` per factor (``transform._split_damping`` without the pi rule).
+as ``sqrt(lambda)`` per factor (``damping.split_damping`` without the pi rule).
 
 Timing: each function is ``jax.jit``-ed with the stacks as arguments; ``--warmup`` untimed calls
 (the first compiles; compilation is not reported), then the median wall time of up to
@@ -63,7 +63,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from thor_optax._src import blocks  # noqa: E402
-from thor_optax._src import inverse  # noqa: E402
+from thor_optax._src import linalg  # noqa: E402
 
 DAMPING = 0.03
 BLOCK = 128
@@ -95,9 +95,9 @@ def timed(fn, args, opts) -> tuple[float, object]:
   return 1e3 * float(np.min(times) if opts.stat == "min" else np.median(times)), out
 
 
-_CHOLESKY = jax.jit(lambda f, dmp, real: inverse.cholesky_inverse(inverse.damp(f, dmp, real)))
-_EIGH = jax.jit(inverse.eigh_factors)
-_WOODBURY = jax.jit(inverse.woodbury_inverse)
+_CHOLESKY = jax.jit(lambda f, dmp, real: linalg.cholesky_inverse(linalg.damp(f, dmp, real)))
+_EIGH = jax.jit(linalg.eigh_factors)
+_WOODBURY = jax.jit(linalg.woodbury_inverse)
 _RECONSTRUCT = jax.jit(lambda values, vectors: jnp.einsum("kij,kj,klj->kil", vectors, values,
                                                           vectors))
 

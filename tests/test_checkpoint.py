@@ -68,8 +68,8 @@ def test_resume_in_a_fresh_process_is_bit_exact(tmp_path):
   # The checkpoint holds the whole train state: model, batch statistics, optimizer, step.
   for prefix in ("['params']['Head_0']['Dense_0']['kernel']",
                  "['batch_stats']['BatchNorm_0']['mean']",
-                 "['opt_state'][0].inverses['b64']",
-                 "['opt_state'][0].unitwise['BatchNorm_0']",
+                 "['opt_state'][0].blocks['b64']['inverse'].inverse",
+                 "['opt_state'][0].layers['BatchNorm_0'].inverse",
                  "['opt_state'][0].diagnostics['Head_0/Dense_1'].total_refreshes",
                  "['opt_state'][2][0].trace['Conv_0']['kernel']",
                  "['opt_state'][2][1].count"):
@@ -126,7 +126,7 @@ def test_every_state_field_round_trips(tmp_path):
   assert isinstance(skfac, thor_optax.KroneckerState)
   for field in thor_optax.KroneckerState._fields:
     assert jax.tree.leaves(getattr(kfac, field)) or jax.tree.leaves(getattr(skfac, field)), field
-  assert "_Tower_0/Dense_0" in kfac.diagnostics and not skfac.eigenvalues  # '/' and empty dicts
+  assert "_Tower_0/Dense_0" in kfac.diagnostics and not jax.tree.leaves(skfac.accumulator)  # '/', EmptyState
 
   rng = np.random.default_rng(0)
 

@@ -1,4 +1,4 @@
-"""SKFAC's conv statistics modes (``factors.ConvSampling``) against float64 NumPy references.
+"""SKFAC's conv statistics modes (``conv.ConvSampling``) against float64 NumPy references.
 
 * ``reduce_sum``: patches and cotangents summed over positions per example, ``/(N T)``; the
   expand factors themselves on ``1 x 1`` output maps;
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from thor_optax._src import blocks
-from thor_optax._src import factors
+from thor_optax._src.layers import conv
 from thor_optax._src import stats as stats_lib
 
 import reference
@@ -22,8 +22,8 @@ from reference import F64, randn
 from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
 
 
-EXPAND = factors.ConvSampling()
-REDUCE = factors.ConvSampling("reduce_sum")
+EXPAND = conv.ConvSampling()
+REDUCE = conv.ConvSampling("reduce_sum")
 TIGHT = dict(rtol=1e-12, atol=1e-13)
 
 
@@ -45,8 +45,8 @@ def _stats(x, g, kernel_size, strides=(1, 1), padding="VALID"):
 
 @jax.jit(static_argnums=(0, 2))
 def _jit_rows(spec, stats, sampling, key):
-  a = factors.input_rows(spec, stats, F64, sampling=sampling, key=key)
-  g = factors.cotangent_rows(spec, stats, F64, sampling=sampling, key=key)
+  a = spec.kind.input_rows(spec, stats, F64, sampling=sampling, key=key)
+  g = spec.kind.cotangent_rows(spec, stats, F64, sampling=sampling, key=key)
   return a + g
 
 
@@ -172,11 +172,11 @@ def test_strided_subsample_against_loops():
   d = patches.shape[2] + 1
   want = np.array([k * t // s for k in range(s)])  # floor(k T / s)
   np.testing.assert_array_equal(want, [0, 1, 3, 5, 7])
-  positions = np.asarray(factors.subsample_positions(None, n, t, s))
+  positions = np.asarray(conv.subsample_positions(None, n, t, s))
   assert positions.dtype == np.int32 and positions.shape == (n, s)
   np.testing.assert_array_equal(positions, np.broadcast_to(want, (n, s)))
 
-  sampling = factors.ConvSampling("spatial_subsample", s)
+  sampling = conv.ConvSampling("spatial_subsample", s)
   a_rows, a_scale, g_rows, g_scale = _rows(spec, stats, sampling)
   assert a_rows.shape == (n * s, d) and g_rows.shape == (num_samples * n * s, c_out)
   np.testing.assert_allclose(a_scale, t / (n * s), rtol=1e-15)
@@ -187,7 +187,7 @@ def test_strided_subsample_against_loops():
   np.testing.assert_allclose(G, G_ref, **TIGHT)
 
   # s = T keeps every position in order: expand, bit for bit.
-  full = _rows(spec, stats, factors.ConvSampling("spatial_subsample", t))
+  full = _rows(spec, stats, conv.ConvSampling("spatial_subsample", t))
   for u, v in zip(full, _rows(spec, stats, EXPAND)):
     np.testing.assert_array_equal(u, v)
 
@@ -215,7 +215,7 @@ def test_random_subsample_positions():
   n, hw, num_samples, s = 5, (4, 4), 2, 4
   t = hw[0] * hw[1]
   stats, spec = _position_problem(n, hw, num_samples)
-  sampling = factors.ConvSampling("spatial_subsample", s)
+  sampling = conv.ConvSampling("spatial_subsample", s)
   key = jax.random.PRNGKey(0)
   a_rows, a_scale, g_rows, g_scale = _rows(spec, stats, sampling, key)
   assert a_rows.shape == (n * s, t + 1) and g_rows.shape == (num_samples * n * s, t)
@@ -232,7 +232,7 @@ def test_random_subsample_positions():
   for j in range(num_samples):
     np.testing.assert_array_equal(g_pos[j], a_pos)
   np.testing.assert_array_equal(
-      a_pos, jax.jit(factors.subsample_positions, static_argnums=(1, 2, 3))(key, n, t, s))
+      a_pos, jax.jit(conv.subsample_positions, static_argnums=(1, 2, 3))(key, n, t, s))
   # Distinct within an example, not all strided, not the same for every example.
   assert all(len(set(row)) == s for row in a_pos)
   assert not np.array_equal(a_pos, np.broadcast_to([k * t // s for k in range(s)], (n, s)))
@@ -249,14 +249,14 @@ def test_random_subsample_is_unbiased():
   n, hw, c_in, c_out, ksize, num_samples, s = 8, (4, 4), 2, 3, (3, 3), 2, 8
   _, _, stats = _random_problem(11, n, hw, c_in, c_out, ksize, (1, 1), "SAME", num_samples)
   spec = _spec(ksize + (c_in, c_out), True)
-  sampling = factors.ConvSampling("spatial_subsample", s)
+  sampling = conv.ConvSampling("spatial_subsample", s)
   A_exp, G_exp = _factors(spec, stats, EXPAND)
 
   @jax.jit
   @jax.vmap
   def draw(key):
-    a_rows, a_scale = factors.input_rows(spec, stats, F64, sampling=sampling, key=key)
-    g_rows, g_scale = factors.cotangent_rows(spec, stats, F64, sampling=sampling, key=key)
+    a_rows, a_scale = spec.kind.input_rows(spec, stats, F64, sampling=sampling, key=key)
+    g_rows, g_scale = spec.kind.cotangent_rows(spec, stats, F64, sampling=sampling, key=key)
     return a_scale * a_rows.T @ a_rows, g_scale * g_rows.T @ g_rows
 
   A_draws, G_draws = map(np.asarray, draw(jax.random.split(jax.random.PRNGKey(3), 400)))
@@ -283,18 +283,18 @@ def test_random_subsample_is_unbiased():
 ])
 def test_conv_sampling_rejects(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    factors.ConvSampling(**kwargs)
+    conv.ConvSampling(**kwargs)
 
 
 def test_too_many_positions_names_the_layer():
   _, _, stats = _random_problem(13, 2, (3, 3), 1, 2, (1, 1), (1, 1), "VALID", 1)
   spec = _spec((1, 1, 1, 2), True, path=("block", "conv"))
-  sampling = factors.ConvSampling("spatial_subsample", 10)
-  for fn in (factors.input_rows, factors.cotangent_rows):
+  sampling = conv.ConvSampling("spatial_subsample", 10)
+  for fn in (spec.kind.input_rows, spec.kind.cotangent_rows):
     with pytest.raises(ValueError, match=r"'block/conv'.*num_positions=10.*T = .* = 9"):
       fn(spec, stats, F64, sampling=sampling)
   with pytest.raises(ValueError, match="s=10, T=9"):
-    factors.subsample_positions(None, 2, 9, 10)
+    conv.subsample_positions(None, 2, 9, 10)
 
 
 def test_dense_layers_ignore_sampling():
@@ -302,8 +302,8 @@ def test_dense_layers_ignore_sampling():
                              None).layer("dense")
   stats = stats_lib.DenseStats(inputs=jnp.asarray(randn(17, (4, 5, 3))),
                                cotangents=jnp.asarray(randn(18, (2, 4, 5, 2))))
-  sampling = factors.ConvSampling("spatial_subsample", 2)
-  for fn in (factors.input_rows, factors.cotangent_rows):
+  sampling = conv.ConvSampling("spatial_subsample", 2)
+  for fn in (spec.kind.input_rows, spec.kind.cotangent_rows):
     default = fn(spec, stats, F64)
     for mode in (REDUCE, sampling):
       for u, v in zip(fn(spec, stats, F64, sampling=mode, key=jax.random.PRNGKey(0)), default):

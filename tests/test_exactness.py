@@ -19,8 +19,7 @@ import scipy.linalg
 
 import thor_optax
 from thor_optax._src import blocks
-from thor_optax._src import factors
-from thor_optax._src import inverse
+from thor_optax._src import linalg
 
 import reference
 from reference import F64, init_params, randn, softmax_ce, squared_error
@@ -29,6 +28,7 @@ from reference import kron_update as _kron_update
 from reference import reference_factors as _reference_factors
 from reference import stacked as _stacked
 from reference import unstack as _unstack
+from reference import inverse_blocks
 from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
 
 
@@ -45,8 +45,8 @@ def _package_factors(params, stats, names):
     out = {}
     for name in names:
       spec = layout.layer(name)
-      a_rows, a_scale = factors.input_rows(spec, layers[name], F64)
-      g_rows, g_scale = factors.cotangent_rows(spec, layers[name], F64)
+      a_rows, a_scale = spec.kind.input_rows(spec, layers[name], F64)
+      g_rows, g_scale = spec.kind.cotangent_rows(spec, layers[name], F64)
       out[name] = (a_scale * a_rows.T @ a_rows, g_scale * g_rows.T @ g_rows)
     return out
 
@@ -156,7 +156,7 @@ def mixed_run():
   (_, grads), stats = reference.capture(model, softmax_ce)(params, x, y)
   tx = thor_optax.scale_by_kfac(LAM, ema_decay=None)
   state = jax.jit(tx.init)(params)
-  assert jax.tree.leaves(state.inverses)[0].dtype == F64
+  assert jax.tree.leaves(inverse_blocks(state))[0].dtype == F64
   check = jax.jit(lambda g, s, c: tx.update(g, s, None, curvature_stats=c))
   plain = jax.jit(lambda g, s: tx.update(g, s, None))
   updates, state1 = check(grads, state, stats)
@@ -200,7 +200,7 @@ def test_step_without_stats_reuses_stored_inverses(mixed_run):
   jax.tree.map(lambda u, v: np.testing.assert_allclose(u, -3.0 * v, rtol=1e-12, atol=1e-15),
                mixed_run["scaled"], mixed_run["updates"])
   state1, state2 = mixed_run["state1"], mixed_run["state2"]
-  jax.tree.map(np.testing.assert_array_equal, state2.inverses, state1.inverses)
+  jax.tree.map(np.testing.assert_array_equal, inverse_blocks(state2), inverse_blocks(state1))
   assert int(state2.count) == 2
   for name in ("conv_b", "dense_nb"):
     assert (int(state2.diagnostics[name].total_refreshes)
@@ -247,7 +247,7 @@ def test_split_update_uses_block_diagonal_factors():
       np.testing.assert_allclose(updates[name][leaf], want[leaf], rtol=RTOL, atol=1e-13)
     # The stored inverse blocks: damped inverse on true dims, identity on the padding.
     for slot, F in ((spec.a, A_b), (spec.g, G_b)):
-      inv = np.asarray(state.inverses[slot.group][slot.start:slot.stop])
+      inv = np.asarray(inverse_blocks(state)[slot.group][slot.start:slot.stop])
       dense = scipy.linalg.block_diag(*np.asarray(inv))
       want_inv = np.eye(slot.padded_dim)
       want_inv[:slot.dim, :slot.dim] = np.linalg.inv(F + d * np.eye(slot.dim))
@@ -271,7 +271,7 @@ def test_block_helpers_against_dense_inverse():
 
   @jax.jit
   def run(F_blocks, damping, real, x, z):
-    inv = inverse.cholesky_inverse(inverse.damp(F_blocks, damping, real))
+    inv = linalg.cholesky_inverse(linalg.damp(F_blocks, damping, real))
     return inv, blocks.left_multiply(inv, x), blocks.right_multiply(z, inv)
 
   inv, left, right = (np.asarray(v) for v in run(F_blocks, jnp.asarray(damping),

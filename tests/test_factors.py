@@ -16,7 +16,7 @@ import pytest
 
 import thor_optax
 from thor_optax._src import blocks
-from thor_optax._src import factors
+from thor_optax._src.layers import conv
 from thor_optax.flax import value_and_grad_with_stats
 
 import reference
@@ -33,8 +33,8 @@ def _package_factors(params, stats, name):
 
   @jax.jit
   def rows(layer):
-    a_rows, a_scale = factors.input_rows(spec, layer, F64)
-    g_rows, g_scale = factors.cotangent_rows(spec, layer, F64)
+    a_rows, a_scale = spec.kind.input_rows(spec, layer, F64)
+    g_rows, g_scale = spec.kind.cotangent_rows(spec, layer, F64)
     return a_rows, a_scale, g_rows, g_scale
 
   a_rows, a_scale, g_rows, g_scale = rows(stats.layers[name])
@@ -88,13 +88,13 @@ def test_conv_factors_match_loop_im2col(name):
     (_, grads), stats = capture_fn(params, x, y)
     layer = stats.layers["conv"]
     _, inter = model.apply({"params": params}, x, capture_intermediates=True)
-    kmat = factors.kernel_matrix(params["conv"]["kernel"])
+    kmat = conv.Conv().kernel_matrix(params["conv"]["kernel"])
     return dict(
         stats=stats, grads=grads, conv_out=inter["intermediates"]["conv"]["__call__"][0],
-        patches=factors.conv_patches(layer), kmat=kmat,
-        kback=factors.kernel_from_matrix(kmat, spec.kernel_shape),
-        grad_mat=factors.kernel_matrix(grads["conv"]["kernel"]),
-        a=factors.input_rows(spec, layer, F64), g=factors.cotangent_rows(spec, layer, F64))
+        patches=conv.conv_patches(layer), kmat=kmat,
+        kback=conv.Conv().kernel_from_matrix(kmat, spec.kernel_shape),
+        grad_mat=conv.Conv().kernel_matrix(grads["conv"]["kernel"]),
+        a=spec.kind.input_rows(spec, layer, F64), g=spec.kind.cotangent_rows(spec, layer, F64))
 
   out = run(params, x, y)
   stats, grads = out["stats"], out["grads"]

@@ -19,11 +19,12 @@ import scipy.linalg
 
 import thor_optax
 from thor_optax._src import blocks
-from thor_optax._src import factors
+from thor_optax._src.layers import conv
 
 import reference
 from reference import F64, block_part, init_params, kron_update, randn, reference_factors
 from reference import softmax_ce, stacked, unstack
+from reference import inverse_blocks, stack_field
 from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
 
 LAM = 0.05
@@ -79,7 +80,7 @@ def test_eigh_damps_the_kronecker_product_exactly(wide, block_size):
     assert np.abs(want["kernel"] - split_damped["kernel"]).max() > 1e-3  # not the same damping
     for leaf in want:
       np.testing.assert_allclose(updates[name][leaf], want[leaf], rtol=RTOL, atol=1e-12)
-  assert all(float(v.min()) >= 0.0 for v in state.eigenvalues.values())
+  assert all(float(v.min()) >= 0.0 for v in stack_field(state, "inverse", "eigenvalues").values())
   # A step without statistics reuses the eigendecompositions.
   again, _ = jax.jit(lambda g, s: tx.update(g, s, None))(grads, state)
   jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-12), again, updates)
@@ -172,13 +173,13 @@ def test_low_rank_state_equals_dense_inverses(wider, block_size, group):
   jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-9, atol=1e-12), got, want)
   n_blocks = 1 if block_size is None else 2
   b = 21 if block_size is None else 16
-  assert state.woodbury_u[group].shape == (n_blocks, b, 6)
-  assert state.woodbury_core[group].shape == (n_blocks, 6, 6)
-  assert not any(g.startswith(f"b{b}") for g in state.inverses)  # no b x b inverse stored
+  assert state.blocks[group]["inverse"].u.shape == (n_blocks, b, 6)
+  assert state.blocks[group]["inverse"].core.shape == (n_blocks, 6, 6)
+  assert not any(g.startswith(f"b{b}") for g in inverse_blocks(state))  # no b x b inverse stored
   assert _state_size(state) < _state_size(dense_state)
   # The rows, zero-padded from 5 to 6 columns: U U^T is the factor's (block-diagonal part).
   A, _ = reference_factors(stats.layers["Dense_0"], True)
-  u = np.asarray(state.woodbury_u[group])
+  u = np.asarray(state.blocks[group]["inverse"].u)
   assert np.all(u[:, :, 5] == 0)
   np.testing.assert_allclose(scipy.linalg.block_diag(*(u @ np.swapaxes(u, 1, 2)))[:21, :21],
                              A if block_size is None else block_part(A, 16), rtol=1e-10)
@@ -224,7 +225,7 @@ def test_decoupled_inverse_period_inverts_the_running_average(wide):
     ema = A if ema is None else decay * ema + (1 - decay) * A
     if t == period:
       ema_at_period = ema.copy()
-    inverses.append(np.asarray(state.inverses["b11"][0]))
+    inverses.append(np.asarray(inverse_blocks(state)["b11"][0]))
   # Inversions at steps 0 and 3 only; the factor is averaged at every statistics step.
   for t in (1, 2):
     np.testing.assert_array_equal(inverses[t], inverses[0])
@@ -232,8 +233,8 @@ def test_decoupled_inverse_period_inverts_the_running_average(wide):
   np.testing.assert_array_equal(inverses[4], inverses[3])
   np.testing.assert_allclose(inverses[3], np.linalg.inv(ema_at_period + LAM**0.5 * np.eye(11)),
                              rtol=1e-9)
-  np.testing.assert_allclose(state.factors["b11"][0], ema, rtol=1e-12)
-  assert int(state.next_inverse) == 2 * period
+  np.testing.assert_allclose(state.blocks["b11"]["accumulator"].factor[0], ema, rtol=1e-12)
+  assert int(state.accumulator.next_inverse) == 2 * period
   assert int(state.diagnostics["Dense_0"].total_refreshes) == 4  # 2 inversions x (A, G)
 
 
@@ -259,25 +260,25 @@ def test_adaptive_refresh_lengthens_and_resets_intervals(wide):
   log = []
   for t in range(12):
     _, state = step(grads, state, stats)  # the same statistics: every due block is similar
-    log.append((int(state.refreshes["b11"][0]), int(state.next_refresh["b11"][0]),
-                int(state.refresh_interval["b11"][0])))
+    log.append((int(state.blocks["b11"]["record"].refreshes[0]), int(state.blocks["b11"]["policy"].next_refresh[0]),
+                int(state.blocks["b11"]["policy"].refresh_interval[0])))
   # Refreshed once at step 0; due again at 1 (interval 2), 3 (4), 7 (4, capped), 11.
   assert [r for r, _, _ in log] == [1] * 12
   assert [n for _, n, _ in log] == [1, 3, 3, 7, 7, 7, 7, 11, 11, 11, 11, 15]
   assert [k for _, _, k in log] == [1, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 4]
-  inv_before = np.asarray(state.inverses["b11"][0])
+  inv_before = np.asarray(inverse_blocks(state)["b11"][0])
   # Steps 12-14 are not due: even very different statistics change nothing.
   _, big = _batch_stats(Wide(), params, 40)
   big = jax.tree.map(lambda a: 3.0 * a, big)
   for _ in range(3):
     _, state = step(grads, state, big)
-  np.testing.assert_array_equal(state.inverses["b11"][0], inv_before)
+  np.testing.assert_array_equal(inverse_blocks(state)["b11"][0], inv_before)
   # Step 15 is due and the change is large: refreshed, interval back to 1.
   _, state = step(grads, state, big)
-  assert int(state.refreshes["b11"][0]) == 2
-  assert int(state.refresh_interval["b11"][0]) == 1 and int(state.next_refresh["b11"][0]) == 16
+  assert int(state.blocks["b11"]["record"].refreshes[0]) == 2
+  assert int(state.blocks["b11"]["policy"].refresh_interval[0]) == 1 and int(state.blocks["b11"]["policy"].next_refresh[0]) == 16
   A, _ = reference_factors(big.layers["Dense_0"], True)
-  np.testing.assert_allclose(state.inverses["b11"][0], np.linalg.inv(A + LAM**0.5 * np.eye(11)),
+  np.testing.assert_allclose(inverse_blocks(state)["b11"][0], np.linalg.inv(A + LAM**0.5 * np.eye(11)),
                              rtol=1e-9)
 
 
@@ -310,7 +311,7 @@ def _norm_setup(seed=0, s=2, n=5, c=4):
 def test_normalization_layers_get_unit_wise_natural_gradient():
   params, grads, stats = _norm_setup()
   layout = blocks.build_layout(params, None)
-  assert [u.name for u in layout.units] == ["BatchNorm_0", "LayerNorm_0"]
+  assert [s.name for s in layout.layers if s.kind.name == "norm"] == ["BatchNorm_0", "LayerNorm_0"]
   tx = thor_optax.scale_by_kfac(LAM, ema_decay=None)
   updates, state = _check(tx, params, grads, stats)
   bn = stats.layers["BatchNorm_0"]
@@ -330,8 +331,8 @@ def test_normalization_layers_get_unit_wise_natural_gradient():
   bad = thor_optax.CurvatureStats(layers={**stats.layers, "BatchNorm_0": thor_optax.NormStats(
       scale_grads=bn.scale_grads.at[0, 0, 1].set(jnp.nan), bias_grads=bn.bias_grads)})
   _, state2 = _check(tx, params, grads, bad, state)
-  np.testing.assert_array_equal(state2.unitwise["BatchNorm_0"][1], state.unitwise["BatchNorm_0"][1])
-  assert np.abs(state2.unitwise["BatchNorm_0"][0] - state.unitwise["BatchNorm_0"][0]).max() == 0
+  np.testing.assert_array_equal(state2.layers["BatchNorm_0"].inverse[1], state.layers["BatchNorm_0"].inverse[1])
+  assert np.abs(state2.layers["BatchNorm_0"].inverse[0] - state.layers["BatchNorm_0"].inverse[0]).max() == 0
 
 
 def test_normalization_statistics_of_wrong_shape_name_the_layer():
@@ -389,9 +390,9 @@ def test_conv_statistics_options_reach_the_factors():
   assert _cholesky_sizes(tx, params, grads, stats) >= {4}  # 4 rows behind conv A (dim 19)
   updates, _ = _check(tx, params, grads, stats)
   spec = blocks.build_layout(params, None).layer("conv")
-  sampling = factors.ConvSampling("reduce_sum")
-  a_rows, _ = factors.input_rows(spec, stats.layers["conv"], F64, sampling=sampling)
-  g_rows, _ = factors.cotangent_rows(spec, stats.layers["conv"], F64, sampling=sampling)
+  sampling = conv.ConvSampling("reduce_sum")
+  a_rows, _ = spec.kind.input_rows(spec, stats.layers["conv"], F64, sampling=sampling)
+  g_rows, _ = spec.kind.cotangent_rows(spec, stats.layers["conv"], F64, sampling=sampling)
   assert a_rows.shape == (4, 19) and g_rows.shape == (4, 3)  # one row per example
   # Independent reference: loop im2col in the kernel's HWIO order, sums over the T = 25
   # positions, bias entry T, both factors divided by N T.

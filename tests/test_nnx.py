@@ -303,7 +303,7 @@ def test_nnx_optimizer_under_jit_matches_linen_steps():
   for name, diag in kron.diagnostics.items():
     assert int(diag.total_refreshes) >= int(diag.num_blocks) > 0, name
   initial = _kronecker_state(make_tx().init(nnx.state(model, nnx.Param)))
-  assert float(np.abs(kron.unitwise["bn"] - initial.unitwise["bn"]).max()) > 1e-3
+  assert float(np.abs(kron.layers["bn"].inverse - initial.layers["bn"].inverse).max()) > 1e-3
 
 
 def _kronecker_state(opt_state):

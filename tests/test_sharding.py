@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import distributed_setup as setup
 import thor_optax
+from reference import inverse_blocks
 
 # Data-parallel sums run in another order than one device's: equal up to float32 rounding.
 F32 = dict(rtol=1e-5, atol=1e-6)
@@ -43,12 +44,12 @@ def test_data_parallel_equals_single_device(mesh, single_device):
   _assert_same_params(params, single_device[0])
   inner = state[0]
   assert int(inner.diagnostics["Dense_0"].total_refreshes) == 2 * 12  # two checks, 10 + 2 blocks
-  assert inner.inverses["b16"].sharding.is_fully_replicated
+  assert inverse_blocks(inner)["b16"].sharding.is_fully_replicated
 
 
 def _blocks_per_device(mesh, distribute_inversion):
   """How many 16 x 16 blocks one device factorizes, per refresh budget, in the compiled check
-  step: on CPU the package runs LAPACK one block at a time (``inverse._lapack_safe``), so each
+  step: on CPU the package runs LAPACK one block at a time (``linalg.lapack_safe``), so each
   budget is a loop whose trip count is the number of blocks."""
   model, tx = setup.Net(), setup.optimizer(
       NamedSharding(mesh, P("data")) if distribute_inversion else None)
@@ -91,11 +92,11 @@ def test_distributed_inversion_divides_the_work(mesh):
 def test_distributed_inversion_equals_single_device(mesh, single_device, block_axis):
   params, state = setup.train(mesh, block_axis=block_axis, distribute_inversion=True)
   _assert_same_params(params, single_device[0])
-  inv = state[0].inverses["b16"]
+  inv = inverse_blocks(state[0])["b16"]
   want = (16, 16, 16) if block_axis is None else (4, 16, 16)  # MEM-OPT: a quarter per device
   assert inv.sharding.shard_shape(inv.shape) == want
-  assert state[0].inverses["b4"].sharding.is_fully_replicated  # 2 blocks: not divisible by 4
-  np.testing.assert_allclose(np.asarray(inv), np.asarray(single_device[1][0].inverses["b16"]),
+  assert inverse_blocks(state[0])["b4"].sharding.is_fully_replicated  # 2 blocks: not divisible by 4
+  np.testing.assert_allclose(np.asarray(inv), np.asarray(inverse_blocks(single_device[1][0])["b16"]),
                              **F32)
 
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import thor_optax
+from reference import inverse_blocks, stack_field
 from thor_optax._src import blocks
-from thor_optax._src import trace
+from thor_optax._src.refresh import trace_rule as trace
 
 D_IN, D_OUT, N, B = 12, 6, 32, 4  # A: 3 blocks of 4 (no bias); G: 2 blocks of 4, last padded
 
@@ -39,7 +40,7 @@ def _run_checks(tx, stats_seq):
 
 
 def _refreshed_per_check(states):
-  totals = [int(sum(np.sum(r) for r in s.refreshes.values())) for s in states]
+  totals = [int(sum(np.sum(r) for r in stack_field(s, "record", "refreshes").values())) for s in states]
   return np.diff([0] + totals)
 
 
@@ -81,8 +82,8 @@ def test_huge_omega1_refreshes_only_first_check():
   tx = thor_optax.scale_by_thor(0.1, block_size=B, trace_thresholds=(1e9, 0.0))
   states = _run_checks(tx, [_stats(*_data(s)) for s in range(3)])
   np.testing.assert_array_equal(_refreshed_per_check(states), [5, 0, 0])
-  for g in states[0].inverses:
-    np.testing.assert_array_equal(states[0].inverses[g], states[-1].inverses[g])
+  for g in inverse_blocks(states[0]):
+    np.testing.assert_array_equal(inverse_blocks(states[0])[g], inverse_blocks(states[-1])[g])
   assert float(states[-1].diagnostics["dense"].trace_ratio) > 0
 
 
@@ -92,10 +93,10 @@ def test_frozen_blocks_never_refresh_again():
   a, g = _data(0)
   states = _run_checks(tx, [_stats(a, g), _stats(a, g), _stats(100 * a, 100 * g)])
   np.testing.assert_array_equal(_refreshed_per_check(states), [5, 0, 0])
-  assert all(bool(f.all()) for f in states[1].frozen.values())
+  assert all(bool(f.all()) for f in stack_field(states[1], "policy", "frozen").values())
   assert int(states[-1].diagnostics["dense"].frozen_blocks) == 5
-  for g_ in states[0].inverses:
-    np.testing.assert_array_equal(states[0].inverses[g_], states[-1].inverses[g_])
+  for g_ in inverse_blocks(states[0]):
+    np.testing.assert_array_equal(inverse_blocks(states[0])[g_], inverse_blocks(states[-1])[g_])
 
 
 def test_known_trace_jump_refreshes_exactly_the_blocks_that_jumped():
@@ -106,7 +107,7 @@ def test_known_trace_jump_refreshes_exactly_the_blocks_that_jumped():
   states = _run_checks(tx, [_stats(a, g), _stats(a2, g2)])
   layout = blocks.build_layout(_params(), B)
   spec = layout.layers[0]
-  refreshes = states[1].refreshes[spec.a.group]
+  refreshes = states[1].blocks[spec.a.group]["record"].refreshes
   np.testing.assert_array_equal(refreshes[spec.a.start:spec.a.stop], [1, 2, 1])
   np.testing.assert_array_equal(refreshes[spec.g.start:spec.g.stop], [2, 1])
   assert int(states[1].diagnostics["dense"].blocks_refreshed) == 2
@@ -116,7 +117,7 @@ def test_known_trace_jump_refreshes_exactly_the_blocks_that_jumped():
   np.testing.assert_allclose(float(states[1].diagnostics["dense"].trace_ratio), expected_ratio,
                              rtol=1e-4)
   # Unrefreshed blocks keep their inverses exactly; refreshed ones change.
-  inv0, inv1 = states[0].inverses[spec.a.group], states[1].inverses[spec.a.group]
+  inv0, inv1 = inverse_blocks(states[0])[spec.a.group], inverse_blocks(states[1])[spec.a.group]
   changed = [not np.array_equal(inv0[i], inv1[i]) for i in range(len(inv0))]
   expected = np.zeros(len(inv0), bool)
   expected[spec.a.start + 1] = expected[spec.g.start] = True

@@ -10,6 +10,8 @@ import pytest
 import thor_optax
 from thor_optax.flax import value_and_grad_with_stats
 
+from reference import inverse_blocks, stack_field
+
 
 class _MLP(nn.Module):
 
@@ -86,7 +88,7 @@ def test_inject_hyperparams_changes_lr_and_damping_without_recompiling(setup):
   ref = thor_optax.scale_by_thor(5.0)
   _, ref_state = ref.update(grads, ref.init(params), params, curvature_stats=stats)
   inner = state.inner_state[0]
-  _tree_allclose(inner.inverses, ref_state.inverses, rtol=1e-5, atol=1e-6)
+  _tree_allclose(inverse_blocks(inner), inverse_blocks(ref_state), rtol=1e-5, atol=1e-6)
 
 
 def test_state_survives_flatten_unflatten_and_jit(setup):
@@ -117,7 +119,7 @@ def test_non_finite_statistics_leave_state_finite_and_inverses_unchanged(setup, 
   # Dense_0's blocks are kept, Dense_1's are refreshed again (thresholds 0).
   assert int(after.diagnostics["Dense_0"].blocks_refreshed) == 0
   assert int(after.diagnostics["Dense_1"].blocks_refreshed) > 0
-  _tree_allclose(after.inverses, state.inverses, rtol=0, atol=0)  # same stats for Dense_1
+  _tree_allclose(inverse_blocks(after), inverse_blocks(state), rtol=0, atol=0)  # same stats for Dense_1
 
 
 def test_non_finite_gradients_leave_state_finite(setup):
@@ -127,7 +129,7 @@ def test_non_finite_gradients_leave_state_finite(setup):
   bad_grads = jax.tree_util.tree_map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)
   _, after = jax.jit(tx.update)(bad_grads, state, params)
   assert _all_finite(after[0])
-  _tree_allclose(after[0].inverses, state[0].inverses, rtol=0, atol=0)
+  _tree_allclose(inverse_blocks(after[0]), inverse_blocks(state[0]), rtol=0, atol=0)
 
 
 def test_mismatched_statistics_name_the_layer(setup):
@@ -165,7 +167,7 @@ def test_damping_schedule_is_read_at_the_step_count(setup):
   _, state = tx.update(grads, state, params)  # step 0 without statistics
   _, state = tx.update(grads, state, params, curvature_stats=stats)  # check at step 1
   _, ref = fixed.update(grads, fixed.init(params), params, curvature_stats=stats)
-  _tree_allclose(state.inverses, ref.inverses, rtol=1e-5)
+  _tree_allclose(inverse_blocks(state), inverse_blocks(ref), rtol=1e-5)
 
 
 def test_steps_before_the_first_statistics_pass_the_gradient_and_count_no_refresh(setup):
@@ -197,10 +199,11 @@ def test_ema_averages_factors_over_refreshes(setup):
   ema_tx = thor_optax.scale_by_kfac(0.05, ema_decay=0.0)
   _, a = ema_tx.update(grads, ema_tx.init(params), params, curvature_stats=stats)
   _, b = ema_tx.update(grads, ema_tx.init(params), params, curvature_stats=stats2)
-  for g in s.factors:
-    np.testing.assert_allclose(s.factors[g], decay * a.factors[g] + (1 - decay) * b.factors[g],
+  factors = lambda state: stack_field(state, "accumulator", "factor")
+  for g in factors(s):
+    np.testing.assert_allclose(factors(s)[g], decay * factors(a)[g] + (1 - decay) * factors(b)[g],
                                rtol=1e-5, atol=1e-6)
-  assert not f1.factors, "no factor storage without EMA"
+  assert not factors(f1), "no factor storage without EMA"
 
 
 def test_pi_damping_matches_formula(setup):
@@ -216,8 +219,8 @@ def test_pi_damping_matches_formula(setup):
   want_a = np.linalg.inv(fa + pi * np.sqrt(lam) * np.eye(10))
   want_g = np.linalg.inv(fg + np.sqrt(lam) / pi * np.eye(3))
   # Whole factors: A of Dense_1 (dim 10) and G (dim 3) are single unpadded blocks.
-  np.testing.assert_allclose(s.inverses["b10"][-1], want_a, rtol=2e-3, atol=1e-4)
-  np.testing.assert_allclose(s.inverses["b3"][-1], want_g, rtol=2e-3, atol=1e-4)
+  np.testing.assert_allclose(inverse_blocks(s)["b10"][-1], want_a, rtol=2e-3, atol=1e-4)
+  np.testing.assert_allclose(inverse_blocks(s)["b3"][-1], want_g, rtol=2e-3, atol=1e-4)
 
 
 def test_layers_without_statistics_pass_through(setup):
@@ -237,3 +240,36 @@ def test_fresh_state_can_be_donated(setup):
   step = jax.jit(lambda s: tx.update(grads, s, params)[1], donate_argnums=0)
   state = step(tx.init(params))  # raises if two leaves of the state share a buffer
   assert int(state[0].count) == 1
+
+
+@pytest.mark.parametrize("make, pieces, inverse_fields", [
+    (lambda: thor_optax.scale_by_thor(0.1, block_size=4), {"inverse", "record", "policy"},
+     ("inverse",)),
+    (lambda: thor_optax.scale_by_kfac(0.1), {"inverse", "record", "accumulator"}, ("inverse",)),
+    (lambda: thor_optax.scale_by_kfac(0.1, inverse_method="eigh", ema_decay=None),
+     {"inverse", "record"}, ("eigenvectors", "eigenvalues")),
+    (lambda: thor_optax.scale_by_kfac(0.1, adaptive_refresh=0.1),
+     {"inverse", "record", "policy", "accumulator"}, ("inverse",)),
+])
+def test_state_holds_only_what_the_pieces_need(setup, make, pieces, inverse_fields):
+  params, grads, stats = setup
+  tx = make()
+  state = tx.init(params)
+  for group, stack in state.blocks.items():
+    assert set(stack) == pieces, group
+    assert stack["inverse"]._fields == inverse_fields
+    n = stack["record"].trace_ref.shape[0]
+    assert all(leaf.shape[0] == n for leaf in jax.tree.leaves(stack)), group
+  assert bool(jax.tree.leaves(state.accumulator)) == ("accumulator" in pieces)
+  # The check step keeps the structure (nothing is added or dropped).
+  _, after = tx.update(grads, state, params, curvature_stats=stats)
+  assert jax.tree.structure(after) == jax.tree.structure(state)
+
+
+def test_pieces_that_do_not_fit_are_rejected_naming_both():
+  with pytest.raises(ValueError, match=r"inverse_method='woodbury' needs rows.*stored factors"):
+    thor_optax.scale_by_kfac(0.1, inverse_method="woodbury", ema_decay=0.9)
+  with pytest.raises(ValueError, match=r"pi_damping=True needs factored damping.*'eigh'"):
+    thor_optax.scale_by_thor(0.1, inverse_method="eigh", pi_damping=True)
+  with pytest.raises(ValueError, match=r"needs woodbury_rows"):
+    thor_optax.scale_by_thor(0.1, inverse_method="low_rank")

@@ -15,10 +15,12 @@ Public API (import from here, ``thor_optax.flax`` or ``thor_optax.nnx``; never f
 * ``concatenate_stats``: the statistics of a batch from those of its micro-batches (gradient
   accumulation with ``optax.MultiSteps``).
 * ``thor_learning_rate_schedule``, ``thor_damping_schedule``: the paper's schedule shapes.
-* ``CheckSchedule``, ``growing_interval``: which steps are curvature-check steps.
+* ``CheckSchedule``, ``growing_interval``: which steps are check steps.
 * ``KroneckerState``, ``LayerDiagnostics``: the transform state and its per-layer record.
 * ``DenseStats``, ``ConvStats``, ``EmbedStats``, ``NormStats``, ``CurvatureStats``: raw
   per-layer statistics.
+* ``LayerKind``, ``register_layer_kind``, ``unregister_layer_kind``: layer kinds of one's own
+  (``thor_optax.layers`` has the pieces a kind is built from and the built-in kinds).
 * ``thor_optax.flax.value_and_grad_with_stats``: capture from an unchanged Flax linen model;
   ``thor_optax.flax.TrainState``: Flax's ``TrainState`` whose ``apply_gradients`` takes the
   statistics.
@@ -39,6 +41,9 @@ from thor_optax._src.schedule import growing_interval
 from thor_optax._src.stats import ConvStats
 from thor_optax._src.stats import CurvatureStats
 from thor_optax._src.kl_clip import KLClipState
+from thor_optax._src.layers import register_layer_kind
+from thor_optax._src.layers import unregister_layer_kind
+from thor_optax._src.layers.base import LayerKind
 from thor_optax._src.micro_batches import concatenate_stats
 from thor_optax._src.kl_clip import scale_by_kl_clip
 from thor_optax._src.stats import DenseStats
@@ -50,7 +55,7 @@ from thor_optax._src.transform import scale_by_kfac
 from thor_optax._src.transform import scale_by_thor
 from thor_optax._src.weight_rescaling import rescale_weight_norms
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
     "CheckSchedule",
@@ -61,12 +66,14 @@ __all__ = (
     "KLClipState",
     "KroneckerState",
     "LayerDiagnostics",
+    "LayerKind",
     "NormStats",
     "growing_interval",
     "concatenate_stats",
     "kaisa",
     "kfac",
     "kronecker_state_sharding",
+    "register_layer_kind",
     "rescale_weight_norms",
     "scale_by_kfac",
     "scale_by_kl_clip",
@@ -76,4 +83,5 @@ __all__ = (
     "thor",
     "thor_damping_schedule",
     "thor_learning_rate_schedule",
+    "unregister_layer_kind",
 )

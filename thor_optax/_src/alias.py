@@ -185,9 +185,9 @@ def kaisa(
   """KAISA: running-average factors, eigendecompositions every ``inverse_period`` steps, KL clip.
 
   :func:`scale_by_kfac` with ``inverse_method='eigh'`` (exact damping of ``A (x) G``), wrapped
-  in :func:`scale_by_kl_clip`, then weight decay and momentum SGD. Statistics steps (the factor
+  in :func:`scale_by_kl_clip`, then weight decay and momentum SGD. Check steps (the factor
   period) are the training loop's, e.g. ``CheckSchedule(1)``; the eigendecompositions run at
-  the first statistics step at least ``inverse_period`` steps after the last.
+  the first check step at least ``inverse_period`` steps after the last.
 
   Args:
     learning_rate: float or optax schedule (also used by the KL clip).
@@ -242,7 +242,7 @@ def spngd(
     damping: ``lambda`` (chainerkfac ImageNet: 2.5e-4 to 1e-4 at batch 4K-131K).
     momentum, nesterov: momentum SGD.
     adaptive_refresh: tolerance of the adaptive refresh (see :func:`scale_by_kfac`), or
-      ``None`` to refresh every block at every statistics step.
+      ``None`` to refresh every block at every check step.
     max_refresh_interval: cap on a block's interval, in steps.
     ema_decay: running average of the factors (SP-NGD: ``None``).
     rescale_weights: cap kernel norms at ``sqrt(2 d_out)`` after each step.

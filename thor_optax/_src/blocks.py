@@ -62,92 +62,19 @@ class FactorSlot:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerSpec:
-  """One Kronecker-factored layer, found from its weight's shape.
-
-  Attributes:
-    path: module path (keys from the parameter root to the dict holding the weight).
-    kind: ``'dense'`` (2-D ``kernel`` ``(d_in, d_out)``), ``'conv'`` (4-D HWIO ``kernel``) or
-      ``'embed'`` (2-D ``embedding`` ``(vocab, features)``, whose ``A`` is diagonal).
-    kernel_shape: the weight's shape.
-    has_bias: whether a 1-D ``bias`` of length ``d_out`` sits beside the kernel (the input
-      factor then gets a ones column: ``dim(A) = d_in + 1``).
-    a: slot of the input factor ``A`` (``None`` for an embedding: its ``A`` is diagonal and
-      kept outside the block stacks).
-    g: slot of the output-cotangent factor ``G``.
-  """
-
-  path: tuple[str, ...]
-  kind: str
-  kernel_shape: tuple[int, ...]
-  has_bias: bool
-  a: Optional[FactorSlot]
-  g: FactorSlot
-
-  @property
-  def name(self) -> str:
-    return "/".join(self.path)
-
-  @property
-  def param(self) -> str:
-    """Name of the weight leaf: ``'embedding'`` or ``'kernel'``."""
-    return "embedding" if self.kind == "embed" else "kernel"
-
-  @property
-  def slots(self) -> tuple[FactorSlot, ...]:
-    """The factor slots in the block stacks (``A`` then ``G``; ``G`` only for embeddings)."""
-    return tuple(s for s in (self.a, self.g) if s is not None)
-
-  @property
-  def d_in(self) -> int:
-    """Input dimension of the kernel as a matrix (conv: ``C_in * k_h * k_w``), bias excluded."""
-    return int(np.prod(self.kernel_shape[:-1]))
-
-  @property
-  def d_out(self) -> int:
-    return int(self.kernel_shape[-1])
-
-
-@dataclasses.dataclass(frozen=True)
-class UnitSpec:
-  """A normalization layer candidate: 1-D ``scale`` and/or ``bias`` of ``C`` channels, no kernel.
-
-  Its curvature is SP-NGD's unit-wise 2x2 Fisher per channel (``inverse.unitwise_fisher``); it
-  is preconditioned only when statistics (:class:`stats.NormStats`) arrive for it.
-
-  Attributes:
-    path: module path.
-    channels: ``C``.
-    has_scale: whether a ``scale`` leaf exists.
-    has_bias: whether a ``bias`` leaf exists.
-  """
-
-  path: tuple[str, ...]
-  channels: int
-  has_scale: bool
-  has_bias: bool
-
-  @property
-  def name(self) -> str:
-    return "/".join(self.path)
-
-
-@dataclasses.dataclass(frozen=True)
 class BlockLayout:
-  """Static description of all factor blocks of a parameter tree.
+  """Static description of all layers and factor blocks of a parameter tree.
 
   Attributes:
-    layers: the Kronecker-factored layers, sorted by path.
+    layers: every layer a kind claimed (``layers.LayerSpec``), sorted by path.
     groups: ``{group_key: (block_size, n_blocks)}``.
     block_size: the split size the layout was built with (``None``: no split).
-    units: normalization-layer candidates (unit-wise Fisher), sorted by path.
     ranks: ``{group_key: m}`` for the groups whose blocks are kept in low-rank form.
   """
 
-  layers: tuple[LayerSpec, ...]
+  layers: tuple[Any, ...]
   groups: dict[str, tuple[int, int]]
   block_size: Optional[int]
-  units: tuple[UnitSpec, ...] = ()
   ranks: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def real_dims(self, group: str) -> np.ndarray:
@@ -163,7 +90,7 @@ class BlockLayout:
         real[slot.start:slot.stop] = flat.reshape(slot.num_blocks, b)
     return real
 
-  def layer(self, name: str) -> LayerSpec:
+  def layer(self, name: str) -> Any:
     for spec in self.layers:
       if spec.name == name:
         return spec
@@ -200,89 +127,68 @@ def split_shape(dim: int, block_size: Optional[int]) -> tuple[int, int]:
   return min(_next_pow2(dim), block_size), 1
 
 
-def find_layers(tree: Any) -> tuple[list, list]:
-  """Finds the Kronecker-factored layers and the normalization candidates of a parameter tree.
-
-  Args:
-    tree: nested dict of arrays (or ``jax.ShapeDtypeStruct``), e.g. Flax ``params``.
-
-  Returns:
-    ``(layers, units)``: ``layers`` is ``[(module_path, kind, weight_shape, has_bias), ...]``
-    for every ``kernel`` leaf of rank 2 (``'dense'``) or 4 (``'conv'``, 2-D HWIO) and every
-    ``embedding`` leaf of rank 2 (``'embed'``); ``has_bias`` is true when a rank-1 ``bias`` of
-    length ``shape[-1]`` is a sibling of a kernel. ``units`` is ``[UnitSpec, ...]`` for every
-    module whose leaves are a rank-1 ``scale`` and/or ``bias`` of one length and nothing else.
-    Both sorted by path.
-  """
+def module_leaves(tree: Any) -> dict[tuple[str, ...], dict[str, Any]]:
+  """``{module path: {leaf name: leaf}}`` of a parameter (or gradient) tree, sorted by path."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   modules: dict[tuple[str, ...], dict[str, Any]] = {}
   for path, leaf in flat:
     keys = stats_lib.path_keys(path)
     modules.setdefault(keys[:-1], {})[keys[-1]] = leaf
-  layers, units = [], []
-  for path, leaves in sorted(modules.items()):
-    shapes = {name: tuple(int(s) for s in np.shape(leaf)) for name, leaf in leaves.items()}
-    kernel = shapes.get("kernel")
-    if kernel is not None and len(kernel) in (2, 4):
-      has_bias = shapes.get("bias") == (kernel[-1],)
-      layers.append((path, "dense" if len(kernel) == 2 else "conv", kernel, has_bias))
-    elif "embedding" in shapes and len(shapes["embedding"]) == 2:
-      layers.append((path, "embed", shapes["embedding"], False))
-    elif set(shapes) <= {"scale", "bias"} and all(len(v) == 1 for v in shapes.values()):
-      if len(set(shapes.values())) == 1:
-        units.append(UnitSpec(path, next(iter(shapes.values()))[0], "scale" in shapes,
-                              "bias" in shapes))
-  return layers, units
+  return dict(sorted(modules.items()))
 
 
-def build_layout(tree: Any, block_size: Optional[int],
-                 low_rank_rows: Optional[int] = None) -> BlockLayout:
-  """Builds the static block layout of a parameter (or gradient) tree.
-
-  Args:
-    tree: nested dict with ``kernel`` (and optional ``bias``) leaves.
-    block_size: THOR split size ``b`` (positive int), or ``None`` for unsplit factors.
-    low_rank_rows: ``m``, or ``None``: every factor whose block size ``b`` has
-      :func:`saves_memory` ``(b, m)`` true gets ``rank = m`` and lives in a low-rank group
-      (SKFAC's Woodbury form, with room for ``m`` rows per factor).
-
-  Returns:
-    the :class:`BlockLayout`; layers appear in path order, ``A`` before ``G`` (an embedding
-    has only ``G`` in the stacks).
-
-  Raises:
-    ValueError: if ``block_size`` is not a positive integer or ``None``, or ``low_rank_rows``
-      is not a positive integer or ``None``.
-  """
-  if low_rank_rows is not None and (not isinstance(low_rank_rows, (int, np.integer))
-                                    or isinstance(low_rank_rows, bool) or low_rank_rows < 1):
-    raise ValueError(f"woodbury_rows must be a positive Python int or None, got "
-                     f"{low_rank_rows!r}; it fixes array shapes of the state.")
+def _check_block_size(block_size: Any) -> Optional[int]:
   if block_size is not None and (not isinstance(block_size, (int, np.integer))
                                  or isinstance(block_size, bool) or block_size < 1):
     raise ValueError(
         f"block_size must be a positive Python int or None, got {block_size!r}. It fixes array "
         "shapes, so it cannot be a traced value: with optax.inject_hyperparams pass "
         "static_args=('block_size',).")
-  block_size = None if block_size is None else int(block_size)
-  counts: dict[tuple[int, int], int] = {}
-  layers = []
+  return None if block_size is None else int(block_size)
 
-  def slot(dim: int) -> FactorSlot:
+
+def build_layout(tree: Any, block_size: Optional[int],
+                 rank_of: Callable[[int], int] = lambda block: 0) -> BlockLayout:
+  """Builds the static layout of a parameter (or gradient) tree from the registered layer kinds.
+
+  Args:
+    tree: nested dict of arrays (or ``jax.ShapeDtypeStruct``), e.g. Flax ``params``.
+    block_size: THOR split size ``b`` (positive int), or ``None`` for unsplit factors.
+    rank_of: ``block -> m``, the rank of the low-rank form a group of blocks of that size is
+      kept in (0: dense blocks); the inverse method's ``for_block(b).rank``.
+
+  Returns:
+    the :class:`BlockLayout`; layers appear in path order, ``A`` before ``G``.
+
+  Raises:
+    ValueError: if ``block_size`` is not a positive integer or ``None``.
+  """
+  from thor_optax._src import layers as layers_lib  # pylint: disable=import-outside-toplevel
+  block_size = _check_block_size(block_size)
+  counts: dict[tuple[int, int], int] = {}
+
+  def slot(dim: Optional[int]) -> Optional[FactorSlot]:
+    if dim is None:
+      return None
     block, n = split_shape(dim, block_size)
-    rank = int(low_rank_rows) if low_rank_rows and saves_memory(block, low_rank_rows) else 0
+    rank = rank_of(block)
     start = counts.get((block, rank), 0)
     counts[(block, rank)] = start + n
     return FactorSlot(dim=dim, block=block, start=start, num_blocks=n, rank=rank)
 
-  found, units = find_layers(tree)
-  for path, kind, shape, has_bias in found:
-    a = None if kind == "embed" else slot(int(np.prod(shape[:-1])) + int(has_bias))
-    g = slot(shape[-1])
-    layers.append(LayerSpec(path, kind, shape, has_bias, a, g))
+  specs = []
+  for path, leaves in module_leaves(tree).items():
+    shapes = {name: tuple(int(s) for s in np.shape(leaf)) for name, leaf in leaves.items()}
+    found = layers_lib.claim(path, shapes)
+    if found is None:
+      continue
+    kind, claim = found
+    a = slot(claim.a_dim)
+    specs.append(layers_lib.LayerSpec(path, kind, tuple(sorted(shapes.items())), a,
+                                      slot(claim.g_dim)))
   groups = {group_key(b, r): (b, n) for (b, r), n in sorted(counts.items())}
   ranks = {group_key(b, r): r for (b, r) in sorted(counts) if r}
-  return BlockLayout(tuple(layers), groups, block_size, tuple(units), ranks)
+  return BlockLayout(tuple(specs), groups, block_size, ranks)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,21 +8,22 @@ that perturbation, returned by the same ``jax.vjp`` that gives the parameter gra
 layer's output cotangent.
 
 What does not depend on how calls are intercepted is shared with the Flax NNX capture
-(``nnx_capture.py``): the captured classes by kind (:class:`LayerKinds`), which calls are
-captured and why others are not (:func:`plan_calls`), the Fisher options
+(``nnx_capture.py``): which calls are captured and why others are not (:func:`plan_calls`, which
+asks each module's registered layer kind, ``layers/``), the Fisher options
 (:class:`FisherOptions`) and the ``vjp`` that turns recorded inputs and output cotangents into
-statistics (:func:`vjp_with_stats`).
+each kind's statistics (:func:`vjp_with_stats`).
 
-Captured layer kinds (a single call per forward pass each):
+Captured layer kinds (a single call per forward pass each; see ``layers/*.py``):
 
-* ``nn.Dense`` -> :class:`DenseStats` (input, output cotangents);
-* ``nn.Conv`` (2-D, one feature group, unmasked) -> :class:`ConvStats`;
+* ``nn.Dense`` -> ``DenseStats`` (input, output cotangents);
+* ``nn.Conv`` (2-D, one feature group, unmasked) -> ``ConvStats``;
 * ``nn.Embed`` (``__call__`` only; a module whose ``attend`` runs, e.g. tied input/output
-  embeddings, is shared and left alone) -> :class:`EmbedStats` (token ids, output cotangents);
+  embeddings, is shared and left alone) -> ``EmbedStats`` (token ids, output cotangents);
 * ``nn.BatchNorm`` and ``nn.LayerNorm`` with scale and/or bias over the last axis only ->
-  :class:`NormStats` (per-example scale and bias gradients).
+  ``NormStats`` (per-example scale and bias gradients);
+* modules of kinds registered with ``thor_optax.register_layer_kind``.
 
-For a normalization layer the interceptor also needs ``x_hat``, the normalized input before
+For a normalization layer (a kind with ``normalized_input``) the interceptor also needs ``x_hat``, the normalized input before
 scale and bias. It is recomputed by applying an unbound clone of the module with
 ``use_scale=False, use_bias=False`` (and the layer's output dtype) to the same arguments, with
 the layer's non-parameter collections (``batch_stats``) as read before the layer runs and
@@ -50,6 +51,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -57,99 +59,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from thor_optax._src import layers as layers_lib
 from thor_optax._src import stats as stats_lib
+from thor_optax._src.layers import base as layer_base
 
 FISHER_TYPES = ("empirical", "sampled", "exact")
 LIKELIHOODS = ("softmax_cross_entropy", "squared_error")
-
-
-def _pair(x: Any, default: int = 1) -> Optional[tuple[int, ...]]:
-  if x is None:
-    return (default, default)
-  if isinstance(x, int):
-    return (x, x)
-  return tuple(int(v) for v in x)
-
-
-def _conv_metadata(mod: Any) -> tuple[Optional[dict], str]:
-  """Static conv metadata for :class:`ConvStats`, or ``(None, reason)`` if unsupported."""
-  kernel_size = mod.kernel_size
-  kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
-  if len(kernel_size) != 2:
-    return None, f"{len(kernel_size)}-D convolution (only 2-D is supported)"
-  if mod.feature_group_count != 1:
-    return None, f"feature_group_count={mod.feature_group_count} (only 1 is supported)"
-  if getattr(mod, "mask", None) is not None:
-    return None, "masked convolution"
-  padding = mod.padding
-  if isinstance(padding, str):
-    if padding.upper() not in ("SAME", "VALID"):
-      return None, f"padding={padding!r} (SAME, VALID or explicit pads are supported)"
-    padding = padding.upper()
-  elif isinstance(padding, int):
-    padding = ((padding, padding),) * 2
-  else:
-    padding = tuple((p, p) if isinstance(p, int) else (int(p[0]), int(p[1])) for p in padding)
-  return dict(
-      kernel_size=tuple(int(k) for k in kernel_size),
-      strides=_pair(mod.strides),
-      padding=padding,
-      input_dilation=_pair(mod.input_dilation),
-      kernel_dilation=_pair(mod.kernel_dilation),
-  ), ""
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerKinds:
-  """The module classes of one Flax API that are captured, by kind.
-
-  The linen and NNX captures share the planning (:func:`plan_calls`) and the statistics
-  (:func:`vjp_with_stats`); only these classes and the way calls are intercepted differ. The
-  classes must have the attributes of their linen counterparts that the planning reads
-  (``kernel_size``, ``strides``, ``padding``, ``input_dilation``, ``kernel_dilation``,
-  ``feature_group_count``, ``mask`` for convolutions; ``use_scale``, ``use_bias`` and ``axis``
-  (BatchNorm) or ``feature_axes`` (LayerNorm) for normalization layers), as ``flax.nnx``'s do.
-  """
-
-  dense: tuple[type, ...]
-  conv: tuple[type, ...]
-  embed: tuple[type, ...]
-  batch_norm: tuple[type, ...]
-  layer_norm: tuple[type, ...]
-
-  @property
-  def norms(self) -> tuple[type, ...]:
-    return self.batch_norm + self.layer_norm
-
-  @property
-  def captured(self) -> tuple[type, ...]:
-    return self.dense + self.conv + self.embed + self.norms
-
-
-LINEN_KINDS = LayerKinds(dense=(nn.Dense,), conv=(nn.Conv,), embed=(nn.Embed,),
-                         batch_norm=(nn.BatchNorm,), layer_norm=(nn.LayerNorm,))
-
-
-def _canonical_axes(axes: Any, ndim: int) -> tuple[int, ...]:
-  axes = (axes,) if isinstance(axes, int) else tuple(axes)
-  return tuple(sorted({int(a) % ndim for a in axes}))
-
-
-def _norm_reason(mod: Any, in_shape: tuple[int, ...], kinds: LayerKinds) -> str:
-  """Why a BatchNorm/LayerNorm call cannot be captured (``''`` if it can)."""
-  ndim = len(in_shape)
-  if ndim < 2:
-    return f"normalization input of shape {in_shape} has no batch axis"
-  if isinstance(mod, kinds.batch_norm):
-    feature_axes = _canonical_axes(mod.axis, ndim)
-    name = "axis"
-  else:
-    feature_axes = _canonical_axes(mod.feature_axes, ndim)
-    name = "feature_axes"
-  if feature_axes != (ndim - 1,):
-    return (f"{name}={feature_axes} on a rank-{ndim} input: only scale and bias over the last "
-            "axis are supported")
-  return ""
 
 
 def primary_input(args: tuple, kwargs: dict) -> Any:
@@ -160,18 +75,6 @@ def primary_input(args: tuple, kwargs: dict) -> Any:
     if key in kwargs:
       return kwargs[key]
   raise ValueError(f"cannot find the input among keyword arguments {sorted(kwargs)}")
-
-
-def _norm_stats(x_hat: jax.Array, g: jax.Array, has_scale: bool,
-                has_bias: bool) -> stats_lib.NormStats:
-  """Per-example scale and bias gradients from ``x_hat (N, ..., C)`` and ``g (S, N, ..., C)``."""
-  dtype = jnp.promote_types(x_hat.dtype, g.dtype)
-  g = g.astype(dtype)
-  positions = tuple(range(2, g.ndim - 1))
-  zeros = jnp.zeros(g.shape[:2] + g.shape[-1:], dtype)
-  scale_grads = (x_hat.astype(dtype)[None] * g).sum(positions) if has_scale else zeros
-  bias_grads = g.sum(positions) if has_bias else zeros
-  return stats_lib.NormStats(scale_grads=scale_grads, bias_grads=bias_grads)
 
 
 def _set_nested(tree: dict, path: tuple[Any, ...], value: Any) -> None:
@@ -287,61 +190,38 @@ def path_name(path: tuple[Any, ...]) -> str:
   return "/".join(str(k) for k in path)
 
 
-def plan_calls(calls: Mapping[tuple[Any, ...], list], module_reasons: Mapping[tuple[Any, ...], str],
-               kinds: LayerKinds) -> tuple[dict, dict]:
+def plan_calls(calls: Mapping[tuple[Any, ...], list],
+               module_reasons: Mapping[tuple[Any, ...], str]) -> tuple[dict, dict]:
   """Which module calls are captured, and why the others are not.
 
   Args:
     calls: ``{module path: [(module, method, input shape, output ShapeDtypeStruct), ...]}``,
-      one entry per call of a captured kind's ``__call__`` (or an embedding's ``attend``) in one
+      one entry per call of an intercepted method of a registered layer kind's module in one
       forward pass, as :func:`note_call` records them.
     module_reasons: ``{module path: reason}`` for every module holding parameters: the reason it
       is listed as unhandled if no captured call was seen for it (e.g. ``'module kind not
       supported'``).
-    kinds: the captured classes of the Flax API.
 
   Returns:
-    ``(captured, unhandled)``: ``captured[path] = dict(kind=, meta=, out=)`` with ``kind`` one of
-    ``'dense'``, ``'conv'``, ``'embed'``, ``'norm'``, ``meta`` the static metadata of its
-    statistics and ``out`` the output's ``ShapeDtypeStruct``; ``unhandled[path] = reason``.
+    ``(captured, unhandled)``: ``captured[path] = dict(kind=, meta=, out=)`` with ``kind`` the
+    module's ``LayerKind``, ``meta`` the static metadata of its statistics and ``out`` the
+    output's ``ShapeDtypeStruct``; ``unhandled[path] = reason``.
   """
   unhandled: dict[tuple[Any, ...], str] = {}
   captured: dict[tuple[Any, ...], dict] = {}
   for path, seen in calls.items():
     mod, _, in_shape, out = seen[0]
-    if isinstance(mod, kinds.norms) and not (mod.use_scale or mod.use_bias):
+    kind = layers_lib.kind_of_module(mod)
+    plan = kind.plan(mod, tuple(method for _, method, _, _ in seen), in_shape)
+    if plan.meta is None and not plan.reason:
       continue  # no parameters, nothing to precondition
-    if isinstance(mod, kinds.embed) and any(method == "attend" for _, method, _, _ in seen):
-      unhandled[path] = "attend() used in the forward pass (tied embedding: shared layer)"
+    n_calls = sum(method == "__call__" for _, method, _, _ in seen)
+    if n_calls > 1:
+      plan = layer_base.Plan(None, f"called {n_calls} times per forward pass (shared layer)")
+    if plan.meta is None:
+      unhandled[path] = plan.reason
       continue
-    if len(seen) > 1:
-      unhandled[path] = f"called {len(seen)} times per forward pass (shared layer)"
-      continue
-    meta = {}
-    if isinstance(mod, kinds.conv):
-      meta, reason = _conv_metadata(mod)
-      if meta is None:
-        unhandled[path] = reason
-        continue
-      if len(in_shape) < 4:
-        unhandled[path] = f"conv input of shape {in_shape} has no batch axis"
-        continue
-      kind = "conv"
-    elif isinstance(mod, kinds.embed):
-      if not in_shape:
-        unhandled[path] = "embedding of a scalar id (no batch axis)"
-        continue
-      kind = "embed"
-    elif isinstance(mod, kinds.norms):
-      reason = _norm_reason(mod, in_shape, kinds)
-      if reason:
-        unhandled[path] = reason
-        continue
-      kind = "norm"
-      meta = dict(has_scale=bool(mod.use_scale), has_bias=bool(mod.use_bias))
-    else:
-      kind = "dense"
-    captured[path] = dict(kind=kind, meta=meta, out=out)
+    captured[path] = dict(kind=kind, meta=plan.meta, out=out)
   for path, reason in module_reasons.items():
     if path not in captured and path not in unhandled:
       unhandled[path] = reason
@@ -352,22 +232,11 @@ def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
                      unhandled: Mapping[tuple[Any, ...], str],
                      layer_inputs: Mapping[tuple[Any, ...], jax.Array],
                      cts: Mapping[tuple[Any, ...], jax.Array]) -> stats_lib.CurvatureStats:
-  """Per-kind statistics from the recorded inputs (``x_hat`` for norms) and cotangents."""
+  """Each captured layer's statistics, built by its kind from the recorded inputs (``x_hat``
+  for normalization layers) and the per-example output cotangents."""
   layers: dict = {}
   for path, c in captured.items():
-    a, g = layer_inputs[path], cts[path]
-    if c["kind"] == "conv":
-      # Fold any extra leading batch axes into N (flax convs accept them).
-      a = a.reshape((-1,) + a.shape[-3:])
-      g = g.reshape((g.shape[0], -1) + g.shape[-3:])
-      layer = stats_lib.ConvStats(inputs=a, cotangents=g, **c["meta"])
-    elif c["kind"] == "embed":
-      layer = stats_lib.EmbedStats(inputs=a, cotangents=g)
-    elif c["kind"] == "norm":
-      layer = _norm_stats(a, g, **c["meta"])
-    else:
-      layer = stats_lib.DenseStats(inputs=a, cotangents=g)
-    _set_nested(layers, path, layer)
+    _set_nested(layers, path, c["kind"].make_stats(layer_inputs[path], cts[path], **c["meta"]))
   notes = tuple(f"{path_name(p)}: {why}"
                 for p, why in sorted(unhandled.items(), key=lambda kv: path_name(kv[0])))
   return stats_lib.CurvatureStats(layers=layers, unhandled=notes)
@@ -414,6 +283,83 @@ def vjp_with_stats(
                                 options.likelihood, options.num_samples, rng)
     cts = jax.vmap(lambda ct: vjp_fn(ct)[1])(out_cts)
   return loss, grads, _curvature_stats(captured, unhandled, layer_inputs, cts), aux
+
+
+@dataclasses.dataclass(frozen=True)
+class _Apply:
+  """``model.apply`` with the call's ``mutable`` and keyword arguments, as
+  ``(outputs, mutated)`` (``mutated = None`` when ``model.apply`` returns outputs alone)."""
+
+  model: nn.Module
+  mutable: Any
+  kwargs: dict
+
+  @property
+  def returns_state(self) -> bool:
+    """Whether ``model.apply`` returns ``(outputs, mutated)`` rather than ``outputs``."""
+    return self.mutable is not False or bool(self.kwargs.get("capture_intermediates", False))
+
+  def __call__(self, variables: dict, inputs: Any) -> tuple[Any, Any]:
+    if not self.returns_state:
+      return self.model.apply(variables, inputs, **self.kwargs), None
+    return self.model.apply(variables, inputs, mutable=self.mutable, **self.kwargs)
+
+
+def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> dict:
+  """Calls, shapes and metadata of every registered kind's module (an abstract pass, no FLOPs)."""
+  calls: dict[tuple[str, ...], list] = {}
+
+  def record(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    mod, method = context.module, context.method_name
+    kind = layers_lib.kind_of_module(mod)
+    if kind is not None and method in kind.methods:
+      note_call(calls, mod.path, mod, method, args, kwargs, out)
+    return out
+
+  def run(p, state, x):
+    with nn.intercept_methods(record):
+      return apply({"params": p, **state}, x)
+
+  jax.eval_shape(run, params, model_state, inputs)
+  return calls
+
+
+def _normalized_input(mod: nn.Module, args: tuple, kwargs: dict, state: dict,
+                      dtype: jnp.dtype) -> jax.Array:
+  """``x_hat`` of a normalization layer: an unbound clone without scale and bias, applied to
+  the same arguments with the layer's collections as it read them."""
+  plain = mod.clone(parent=None, use_scale=False, use_bias=False, dtype=dtype)
+  x_hat, _ = plain.apply(state, *args, mutable=True, **kwargs)
+  return jax.lax.stop_gradient(x_hat)
+
+
+def _forward(apply: _Apply, model_state: dict, inputs: Any, normalized: set, params: Any,
+             perts: dict) -> tuple[Any, tuple[dict, Any]]:
+  """The forward pass that records captured layers' inputs and perturbs their outputs."""
+  layer_inputs = {}
+  in_clone = [False]  # the x_hat clone's own call passes through the interceptor
+
+  def intercept(next_fun, args, kwargs, context):
+    path, mod = context.module.path, context.module
+    if in_clone[0] or context.method_name != "__call__" or path not in perts:
+      return next_fun(*args, **kwargs)
+    if path not in normalized:
+      layer_inputs[path] = primary_input(args, kwargs)
+      return next_fun(*args, **kwargs) + perts[path]
+    # Non-parameter collections (batch_stats) as the layer sees them, before it updates them.
+    state = {col: v for col, v in mod.variables.items() if col != "params"}
+    out = next_fun(*args, **kwargs)
+    in_clone[0] = True
+    try:
+      layer_inputs[path] = _normalized_input(mod, args, kwargs, state, out.dtype)
+    finally:
+      in_clone[0] = False
+    return out + perts[path]
+
+  with nn.intercept_methods(intercept):
+    outputs, mutated = apply({"params": params, **model_state}, inputs)
+  return outputs, (layer_inputs, mutated)
 
 
 def value_and_grad_with_stats(
@@ -473,36 +419,6 @@ def value_and_grad_with_stats(
   """
   options = FisherOptions(fisher_type, likelihood, num_samples, loss_reduction)
 
-  def returns_state(mutable, apply_kwargs):
-    """Whether ``model.apply`` returns ``(outputs, mutated)`` rather than ``outputs``."""
-    return mutable is not False or bool(apply_kwargs.get("capture_intermediates", False))
-
-  def apply(variables, inputs, mutable, apply_kwargs):
-    """``model.apply`` as ``(outputs, mutated)``, ``mutated = None`` if nothing is mutable."""
-    if not returns_state(mutable, apply_kwargs):
-      return model.apply(variables, inputs, **apply_kwargs), None
-    return model.apply(variables, inputs, mutable=mutable, **apply_kwargs)
-
-  def discover(params, model_state, inputs, mutable, apply_kwargs):
-    """Shapes and metadata of every module call (an abstract pass, no FLOPs)."""
-    calls: dict[tuple[str, ...], list] = {}
-
-    def record(next_fun, args, kwargs, context):
-      out = next_fun(*args, **kwargs)
-      mod = context.module
-      method = context.method_name
-      if isinstance(mod, LINEN_KINDS.captured) and (
-          method == "__call__" or (method == "attend" and isinstance(mod, nn.Embed))):
-        note_call(calls, mod.path, mod, method, args, kwargs, out)
-      return out
-
-    def run(p, state, x):
-      with nn.intercept_methods(record):
-        return apply({"params": p, **state}, x, mutable, apply_kwargs)
-
-    jax.eval_shape(run, params, model_state, inputs)
-    return calls
-
   def fn(params, inputs, targets, *, rng=None, model_state: Optional[Mapping] = None,
          mutable: Union[bool, str, Sequence[str]] = False, **apply_kwargs):
     options.check_rng(rng)
@@ -510,43 +426,15 @@ def value_and_grad_with_stats(
     if "params" in model_state:
       raise ValueError("model_state holds the non-parameter collections; pass params "
                        "as the first argument.")
-    calls = discover(params, model_state, inputs, mutable, apply_kwargs)
+    apply = _Apply(model, mutable, apply_kwargs)
+    calls = _discover(apply, params, model_state, inputs)
     captured, unhandled = plan_calls(
-        calls, {path: "module kind not supported" for path in _module_paths(params)},
-        LINEN_KINDS)
-    norm_paths = {path for path, c in captured.items() if c["kind"] == "norm"}
-
-    def forward(p, perts):
-      layer_inputs = {}
-      in_clone = [False]  # the x_hat clone's own call passes through the interceptor
-
-      def intercept(next_fun, args, kwargs, context):
-        path = context.module.path
-        if in_clone[0] or context.method_name != "__call__" or path not in perts:
-          return next_fun(*args, **kwargs)
-        if path not in norm_paths:
-          layer_inputs[path] = primary_input(args, kwargs)
-          return next_fun(*args, **kwargs) + perts[path]
-        mod = context.module
-        # Non-parameter collections (batch_stats) as the layer sees them, before it updates them.
-        state = {col: v for col, v in mod.variables.items() if col != "params"}
-        out = next_fun(*args, **kwargs)
-        plain = mod.clone(parent=None, use_scale=False, use_bias=False, dtype=out.dtype)
-        in_clone[0] = True
-        try:
-          x_hat, _ = plain.apply(state, *args, mutable=True, **kwargs)
-        finally:
-          in_clone[0] = False
-        layer_inputs[path] = jax.lax.stop_gradient(x_hat)
-        return out + perts[path]
-
-      with nn.intercept_methods(intercept):
-        outputs, mutated = apply({"params": p, **model_state}, inputs, mutable, apply_kwargs)
-      return outputs, (layer_inputs, mutated)
-
+        calls, {path: "module kind not supported" for path in _module_paths(params)})
+    forward = functools.partial(_forward, apply, model_state, inputs,
+                                {p for p, c in captured.items() if c["kind"].normalized_input})
     loss, grads, stats, mutated = vjp_with_stats(forward, params, captured, unhandled, loss_fn,
                                                  targets, rng, options)
-    if not returns_state(mutable, apply_kwargs):
+    if not apply.returns_state:
       return (loss, grads), stats
     return (loss, grads), stats, mutated
 

@@ -26,15 +26,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from thor_optax._src import layers as layers_lib
 from thor_optax._src import stats as stats_lib
-
-# The example axis of every array field of each layer kind.
-_EXAMPLE_AXIS = {
-    stats_lib.DenseStats: {"inputs": 0, "cotangents": 1},
-    stats_lib.ConvStats: {"inputs": 0, "cotangents": 1},
-    stats_lib.EmbedStats: {"inputs": 0, "cotangents": 1},
-    stats_lib.NormStats: {"scale_grads": 1, "bias_grads": 1},
-}
 
 
 def _join_layer(name: str, parts: list) -> stats_lib.LayerStats:
@@ -43,7 +36,7 @@ def _join_layer(name: str, parts: list) -> stats_lib.LayerStats:
   if any(type(p) is not kind for p in parts):
     raise ValueError(f"concatenate_stats: layer {name!r} has statistics of different kinds "
                      f"{sorted({type(p).__name__ for p in parts})} across micro-batches.")
-  axes = _EXAMPLE_AXIS[kind]
+  axes = layers_lib.kind_of_stats(parts[0]).example_axes  # the layer kind's example axes
   static = {f.name: getattr(parts[0], f.name) for f in dataclasses.fields(kind)
             if f.name not in axes}
   for i, part in enumerate(parts[1:], start=1):

@@ -8,9 +8,10 @@ output perturbations and the same planning, Fisher types and per-kind statistics
 Why class-level patching. Linen routes every module method through
 ``flax.linen.intercept_methods``; NNX has no such hook. ``nnx.capture``/``sow``/``perturb`` work
 only where the model itself calls them, i.e. they need a model edit. So while the capture runs
-its forward passes, ``__call__`` of ``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``,
-``nnx.BatchNorm`` and ``nnx.LayerNorm`` (and ``nnx.Embed.attend``, to detect tied embeddings)
-is replaced on the class by a wrapper, inside a context manager that restores the originals in
+its forward passes, the intercepted methods of every registered layer kind's NNX classes
+(``layers/``: ``__call__`` of ``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``, ``nnx.BatchNorm`` and
+``nnx.LayerNorm``, and ``nnx.Embed.attend``, to detect tied embeddings) are replaced on the
+class by a wrapper, inside a context manager that restores the originals in
 ``finally``. User models are never edited. The wrappers act only on the thread that entered the
 context and only on the modules of the model copy being captured (found by object identity);
 every other call, in this or another thread, goes to the original method. Nested captures are
@@ -60,13 +61,8 @@ import jax
 import jax.numpy as jnp
 
 from thor_optax._src import capture as capture_lib
+from thor_optax._src import layers as layers_lib
 
-NNX_KINDS = capture_lib.LayerKinds(
-    dense=(nnx.Linear,), conv=(nnx.Conv,), embed=(nnx.Embed,),
-    batch_norm=(nnx.BatchNorm,), layer_norm=(nnx.LayerNorm,))
-
-# (class, method) replaced while a capture runs.
-_PATCHED = tuple((cls, "__call__") for cls in NNX_KINDS.captured) + ((nnx.Embed, "attend"),)
 
 # handler(original, module, method, args, kwargs): original is the unpatched function.
 _Handler = Callable[[Callable[..., Any], nnx.Module, str, tuple, dict], Any]
@@ -90,6 +86,12 @@ def _wrapper(original: Callable[..., Any], method: str) -> Callable[..., Any]:
   return wrapped
 
 
+def _owner(cls: type, name: str) -> tuple[type, str]:
+  """``(class, name)`` of the class in ``cls``'s MRO that defines the method ``name`` (patched
+  once, however many registered classes inherit it)."""
+  return next(c for c in cls.__mro__ if name in c.__dict__), name
+
+
 @contextlib.contextmanager
 def _intercept(handler: _Handler) -> Iterator[None]:
   """Routes calls of the patched layer methods to ``handler`` within the block.
@@ -102,7 +104,7 @@ def _intercept(handler: _Handler) -> Iterator[None]:
   global _patch_depth
   with _patch_lock:
     if _patch_depth == 0:
-      for cls, name in _PATCHED:
+      for cls, name in dict.fromkeys(_owner(c, m) for c, m in layers_lib.intercepted("nnx")):
         original = cls.__dict__[name]
         _originals[(cls, name)] = original
         setattr(cls, name, _wrapper(original, name))
@@ -140,7 +142,7 @@ def _module_reasons(model: nnx.Module, params: nnx.State) -> dict[tuple[Any, ...
   reasons = {}
   for path, _ in nnx.to_flat_state(params):
     owner = tuple(path[:-1])
-    if isinstance(modules.get(owner), NNX_KINDS.captured):
+    if layers_lib.kind_of_module(modules.get(owner)) is not None:
       reasons[owner] = ("not called directly in the forward pass (unused, or run inside an NNX "
                         "transform such as nnx.scan, nnx.vmap or nnx.remat)")
     else:
@@ -160,6 +162,59 @@ def _unit_affine_clone(mod: nnx.Module) -> nnx.Module:
   if plain.bias is not None:
     plain.bias[...] = jnp.zeros_like(plain.bias[...])
   return plain
+
+
+def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any, call_kwargs: dict) -> dict:
+  """Calls, shapes and metadata of every patched layer (an abstract pass, no FLOPs)."""
+  calls: dict[tuple[Any, ...], list] = {}
+
+  def run(p, r):
+    copy = nnx.merge(graphdef, p, r, copy=True)
+    paths = _module_paths(copy)
+
+    def record(original, mod, method, args, kwargs):
+      try:
+        out = original(mod, *args, **kwargs)
+      except Exception as e:  # name the failing layer, keep the exception as it is
+        if id(mod) in paths and hasattr(e, "add_note"):  # Python >= 3.11
+          e.add_note(f"in {type(mod).__name__}.{method} of the layer at "
+                     f"'{capture_lib.path_name(paths[id(mod)])}' (thor_optax.nnx capture)")
+        raise
+      if id(mod) in paths:
+        capture_lib.note_call(calls, paths[id(mod)], mod, method, args, kwargs, out)
+      return out
+
+    with _intercept(record):
+      copy(inputs, **call_kwargs)
+
+  jax.eval_shape(run, params, rest)
+  return calls
+
+
+def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: dict, normalized: set,
+             params: Any, perts: dict) -> tuple[Any, tuple[dict, Any]]:
+  """A fresh copy's forward pass that records captured layers' inputs (``x_hat`` for
+  normalized-input kinds) and perturbs their outputs; returns its new non-``Param`` state."""
+  copy = nnx.merge(graphdef, params, rest, copy=True)
+  paths = _module_paths(copy)
+  layer_inputs = {}
+
+  def intercept(original, mod, method, args, kwargs):
+    path = paths.get(id(mod))
+    if method != "__call__" or path not in perts:
+      return original(mod, *args, **kwargs)
+    if path not in normalized:
+      layer_inputs[path] = capture_lib.primary_input(args, kwargs)
+      return original(mod, *args, **kwargs) + perts[path]
+    plain = _unit_affine_clone(mod)
+    out = original(mod, *args, **kwargs)
+    layer_inputs[path] = jax.lax.stop_gradient(original(plain, *args, **kwargs))
+    return out + perts[path]
+
+  with _intercept(intercept):
+    outputs = copy(inputs, **call_kwargs)
+  _, _, new_rest = nnx.split(copy, nnx.Param, ...)
+  return outputs, (layer_inputs, new_rest)
 
 
 def value_and_grad_with_stats(
@@ -228,32 +283,6 @@ def value_and_grad_with_stats(
   """
   options = capture_lib.FisherOptions(fisher_type, likelihood, num_samples, loss_reduction)
 
-  def discover(graphdef, params, rest, inputs, call_kwargs):
-    """Calls, shapes and metadata of every patched layer (an abstract pass, no FLOPs)."""
-    calls: dict[tuple[Any, ...], list] = {}
-
-    def run(p, r):
-      copy = nnx.merge(graphdef, p, r, copy=True)
-      paths = _module_paths(copy)
-
-      def record(original, mod, method, args, kwargs):
-        try:
-          out = original(mod, *args, **kwargs)
-        except Exception as e:  # name the failing layer, keep the exception as it is
-          if id(mod) in paths and hasattr(e, "add_note"):  # Python >= 3.11
-            e.add_note(f"in {type(mod).__name__}.{method} of the layer at "
-                       f"'{capture_lib.path_name(paths[id(mod)])}' (thor_optax.nnx capture)")
-          raise
-        if id(mod) in paths:
-          capture_lib.note_call(calls, paths[id(mod)], mod, method, args, kwargs, out)
-        return out
-
-      with _intercept(record):
-        copy(inputs, **call_kwargs)
-
-    jax.eval_shape(run, params, rest)
-    return calls
-
   def fn(model, inputs, targets, rng=None, **call_kwargs):
     options.check_rng(rng)
     if not isinstance(model, nnx.Module):
@@ -261,33 +290,10 @@ def value_and_grad_with_stats(
           f"value_and_grad_with_stats (NNX) needs an nnx.Module, got {type(model).__name__}; "
           "for a linen module use thor_optax.flax.value_and_grad_with_stats.")
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    calls = discover(graphdef, params, rest, inputs, call_kwargs)
-    captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params),
-                                                 NNX_KINDS)
-    norm_paths = {path for path, c in captured.items() if c["kind"] == "norm"}
-
-    def forward(p, perts):
-      copy = nnx.merge(graphdef, p, rest, copy=True)
-      paths = _module_paths(copy)
-      layer_inputs = {}
-
-      def intercept(original, mod, method, args, kwargs):
-        path = paths.get(id(mod))
-        if method != "__call__" or path not in perts:
-          return original(mod, *args, **kwargs)
-        if path not in norm_paths:
-          layer_inputs[path] = capture_lib.primary_input(args, kwargs)
-          return original(mod, *args, **kwargs) + perts[path]
-        plain = _unit_affine_clone(mod)
-        out = original(mod, *args, **kwargs)
-        layer_inputs[path] = jax.lax.stop_gradient(original(plain, *args, **kwargs))
-        return out + perts[path]
-
-      with _intercept(intercept):
-        outputs = copy(inputs, **call_kwargs)
-      _, _, new_rest = nnx.split(copy, nnx.Param, ...)
-      return outputs, (layer_inputs, new_rest)
-
+    calls = _discover(graphdef, params, rest, inputs, call_kwargs)
+    captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params))
+    normalized = {path for path, c in captured.items() if c["kind"].normalized_input}
+    forward = functools.partial(_forward, graphdef, rest, inputs, call_kwargs, normalized)
     loss, grads, stats, new_rest = capture_lib.vjp_with_stats(
         forward, params, captured, unhandled, loss_fn, targets, rng, options)
     nnx.update(model, new_rest)

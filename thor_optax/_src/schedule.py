@@ -1,4 +1,4 @@
-"""Which steps are curvature-check steps: a host-side schedule, known without a device sync.
+"""Which steps are check steps: a host-side schedule, known without a device sync.
 
 A check step captures statistics and lets the transform run the trace rule and refresh blocks;
 every other step calls ``update`` without statistics and costs about what an SGD step costs
@@ -46,7 +46,7 @@ def growing_interval(start: int, end: int, transition_steps: int) -> optax.Sched
 
 
 class CheckSchedule:
-  """Decides on the host whether a step is a curvature-check step.
+  """Decides on the host whether a step is a check step.
 
   Check steps are ``s_0 = 0`` and ``s_{k+1} = s_k + max(1, round(interval(s_k)))``. With an int
   ``interval = N`` this is MindSpore's ``frequency``: steps ``0, N, 2N, ...``.

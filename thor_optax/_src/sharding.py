@@ -33,11 +33,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from thor_optax._src import transform
 
-# KroneckerState fields whose leaves are stacks indexed by block on axis 0.
-_BLOCK_FIELDS = ("inverses", "eigenvalues", "woodbury_u", "woodbury_core", "woodbury_damping",
-                 "factors", "trace_ref", "frozen", "refreshes", "stale", "next_refresh",
-                 "refresh_interval")
-
 
 def kronecker_state_sharding(opt_state: Any, mesh: Mesh,
                              block_axis: Optional[str] = None) -> Any:
@@ -76,10 +71,9 @@ def kronecker_state_sharding(opt_state: Any, mesh: Mesh,
   def node(x):
     if not isinstance(x, transform.KroneckerState):
       return replicated
-    fields = {name: jax.tree.map(stack if name in _BLOCK_FIELDS else (lambda _: replicated),
-                                 getattr(x, name))
-              for name in x._fields}
-    return transform.KroneckerState(**fields)
+    # Every leaf of a block stack has the block index on axis 0; the rest is replicated.
+    everything = jax.tree.map(lambda _: replicated, x)
+    return everything._replace(blocks=jax.tree.map(stack, x.blocks))
 
   return jax.tree.map(node, opt_state,
                       is_leaf=lambda x: isinstance(x, transform.KroneckerState))

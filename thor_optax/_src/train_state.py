@@ -44,7 +44,7 @@ class TrainState(train_state.TrainState):
     Args:
       grads: gradients with the structure of ``params``.
       curvature_stats: the statistics of this step's batch (``value_and_grad_with_stats``) on a
-        curvature-check step, passed to ``tx.update`` as ``curvature_stats=``; ``None`` on a
+        check step, passed to ``tx.update`` as ``curvature_stats=``; ``None`` on a
         plain step.
       **kwargs: further fields to ``replace`` (as Flax's ``apply_gradients``).
 

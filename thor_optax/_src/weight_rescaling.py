@@ -16,6 +16,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -23,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from thor_optax._src import blocks
+from thor_optax._src import layers as layers_lib
 from thor_optax._src import stats as stats_lib
 
 
@@ -32,9 +35,15 @@ def he_norm(shape: tuple[int, ...]) -> float:
   return math.sqrt(2.0 * shape[-1])
 
 
-def _is_kernel(path: tuple[Any, ...], leaf: Any) -> bool:
-  keys = stats_lib.path_keys(path)
-  return bool(keys) and keys[-1] == "kernel" and jnp.ndim(leaf) >= 2
+def rescaled_weights(params: Any) -> frozenset[tuple[str, ...]]:
+  """Key paths of the weights whose norm is capped: the weight leaf of every module claimed
+  by a registered layer kind with ``he_rescaled`` (dense and convolution kernels)."""
+  out = set()
+  for path, leaves in blocks.module_leaves(params).items():
+    found = layers_lib.claim(path, {k: tuple(jnp.shape(v)) for k, v in leaves.items()})
+    if found is not None and found[0].he_rescaled:
+      out.add(path + (found[0].weight,))
+  return frozenset(out)
 
 
 def rescale_weight_norms(
@@ -42,8 +51,8 @@ def rescale_weight_norms(
 ) -> optax.GradientTransformation:
   """Caps the Frobenius norm of every kernel after the step (SP-NGD's weight rescaling).
 
-  For every leaf whose last key-path entry is ``'kernel'`` and whose rank is at least 2 (dense
-  ``(d_in, d_out)``, conv HWIO ``(k_h, k_w, C_in, C_out)``): with ``w = param + update`` and
+  For the weight of every layer whose kind is He-rescaled (the registered layer kinds with
+  ``he_rescaled``: dense ``(d_in, d_out)`` and conv HWIO ``(k_h, k_w, C_in, C_out)`` kernels): with ``w = param + update`` and
   the cap ``c = max_norm(param.shape)`` (default ``sqrt(2 * shape[-1])``), if
   ``||w||_F > c`` the update becomes ``(c / ||w||_F) * w - param``, so that the new parameter
   ``param + update`` has norm ``c`` (up to rounding); otherwise the update is unchanged. Other
@@ -76,8 +85,8 @@ def rescale_weight_norms(
     del params
     return optax.EmptyState()
 
-  def rescale(path, update, param):
-    if update is None or not _is_kernel(path, param):
+  def rescale(weights, path, update, param):
+    if update is None or stats_lib.path_keys(path) not in weights:
       return update
     shape = tuple(int(s) for s in jnp.shape(param))
     cap = cap_of(shape)
@@ -99,8 +108,9 @@ def rescale_weight_norms(
       raise ValueError(
           "rescale_weight_norms needs the current parameters: pass params to update, e.g. "
           "tx.update(grads, state, params).")
+    weights = rescaled_weights(params)
     new_updates = jax.tree_util.tree_map_with_path(
-        rescale, updates, params, is_leaf=lambda x: x is None)
+        functools.partial(rescale, weights), updates, params, is_leaf=lambda x: x is None)
     return new_updates, state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -1,35 +1,28 @@
-"""Damped inverses of stacked factor blocks, batched over a whole group of blocks.
+"""Batched linear algebra on stacks of factor blocks ``(K, b, b)``: the factorizations every
+inverse method is built from.
 
-Three methods, all acting on a stack ``(K, b, b)`` at once:
+* :func:`cholesky_inverse` of damped blocks (THOR, K-FAC);
+* :func:`eigh_factors`: eigendecompositions of undamped blocks (KAISA);
+* :func:`woodbury_inverse` / :func:`woodbury_core_inverse` from the ``m`` rows behind a block
+  when ``m < b``: an ``m x m`` Cholesky instead of a ``b x b`` one (SKFAC);
+* :func:`on_shards`: a stack's factorizations split over the devices of a mesh (KAISA).
 
-* :func:`cholesky_inverse` of the damped blocks (THOR, K-FAC);
-* :func:`eigh_factors`: eigendecomposition of the undamped blocks; the damping is applied to
-  the Kronecker product of two factors' eigenvalues when the gradient is preconditioned
-  (KAISA's inverse-free evaluation, ``transform.precondition``);
-* :func:`woodbury_inverse` from the rows behind a factor when there are fewer rows ``m`` than
-  dimensions ``b``: an ``m x m`` Cholesky instead of a ``b x b`` one (SKFAC).
-
-:func:`unitwise_inverse` inverts the damped 2x2 Fisher of every channel of a normalization layer
-in closed form (SP-NGD's unit-wise natural gradient).
+On CPU, LAPACK runs one matrix at a time (:func:`lapack_safe`, a deadlock of batched calls);
+narrow dtypes are factorized in float32.
 
 References:
-  Chen et al., THOR, AAAI 2021: factor blocks inverted by Cholesky, ``(A + sqrt(lambda) I)^-1``
-  per factor (MindSpore ``thor.py``: ``CholeskyTrsm``, then ``L^-T L^-1``).
-  Martens & Grosse, K-FAC, ICML 2015, section 6.3 (factored Tikhonov damping, the pi rule).
-  Pauloski et al., "KAISA", SC 2021, and "Convolutional neural network training with
-  distributed K-FAC", SC 2020, section 3 (eigendecomposition, damping ``d_G d_A^T + gamma``).
-  Tang et al., "SKFAC", CVPR 2021, section 3 (Sherman-Morrison-Woodbury inverse of a
-  low-rank factor).
-  Osawa et al., "Scalable and Practical Natural Gradient", TPAMI 2020, section "Unit-wise
-  natural gradient" (2x2 per-channel Fisher of batch normalization).
+  Chen et al., THOR, AAAI 2021 (MindSpore ``thor.py``: ``CholeskyTrsm``, then ``L^-T L^-1``).
+  Pauloski et al., "KAISA", SC 2021, and SC 2020, section 3 (eigendecomposition).
+  Tang et al., "SKFAC", CVPR 2021, section 3 (Sherman-Morrison-Woodbury).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def damp(blocks: jax.Array, damping: jax.Array, real: jax.Array) -> jax.Array:
@@ -48,7 +41,7 @@ def damp(blocks: jax.Array, damping: jax.Array, real: jax.Array) -> jax.Array:
   return blocks + diag[:, :, None] * jnp.eye(blocks.shape[-1], dtype=blocks.dtype)
 
 
-def _lapack_safe(fn: Callable[[jax.Array], Any], stack: jax.Array) -> Any:
+def lapack_safe(fn: Callable[[jax.Array], Any], stack: jax.Array) -> Any:
   """``fn`` over a stack ``(K, b, b)``: batched, but one matrix at a time on CPU.
 
   jaxlib's CPU LAPACK kernels (``potrf``, ``trsm``, ``syevd``; jax 0.10) split a batch into
@@ -64,7 +57,7 @@ def _lapack_safe(fn: Callable[[jax.Array], Any], stack: jax.Array) -> Any:
   back to its dtype.
   """
   if jnp.issubdtype(stack.dtype, jnp.floating) and jnp.finfo(stack.dtype).bits < 32:
-    out = _lapack_safe(fn, stack.astype(jnp.float32))
+    out = lapack_safe(fn, stack.astype(jnp.float32))
     return jax.tree.map(lambda y: y.astype(stack.dtype), out)
 
   def one_at_a_time(x):
@@ -89,7 +82,7 @@ def cholesky_inverse(matrices: jax.Array) -> jax.Array:
     ``(K, b, b)`` symmetric inverses ``L^-T L^-1``; non-finite where a factorization failed
     (callers keep the previous inverse there).
   """
-  chol_inv = _lapack_safe(_batched_cholesky_inverse, matrices)
+  chol_inv = lapack_safe(_batched_cholesky_inverse, matrices)
   inv = jnp.einsum("kji,kjl->kil", chol_inv, chol_inv)
   return 0.5 * (inv + jnp.swapaxes(inv, -1, -2))
 
@@ -110,7 +103,7 @@ def eigh_factors(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
     eigenvectors (columns), ``blocks[k] = vectors[k] @ diag(values[k]) @ vectors[k].T``.
   """
   sym = 0.5 * (blocks + jnp.swapaxes(blocks, -1, -2))
-  values, vectors = _lapack_safe(jnp.linalg.eigh, sym)
+  values, vectors = lapack_safe(jnp.linalg.eigh, sym)
   return jnp.maximum(values, 0.0), vectors
 
 
@@ -157,35 +150,24 @@ def woodbury_inverse(u: jax.Array, damping: jax.Array, real: jax.Array) -> jax.A
   return inv * mask + (1.0 - real)[:, :, None] * jnp.eye(u.shape[1], dtype=u.dtype)
 
 
-def unitwise_fisher(scale_grads: jax.Array, bias_grads: jax.Array) -> jax.Array:
-  """Per-channel 2x2 empirical Fisher of a normalization layer's ``(scale, bias)``.
+def on_shards(fn: Callable[..., Any], sharding: Optional[jax.sharding.NamedSharding],
+               *stacks: jax.Array) -> Any:
+  """``fn(*stacks)`` for stacks of blocks ``(K, ...)``, each device computing its share.
 
-  Args:
-    scale_grads: ``(S, N, C)`` per-example gradients of the scale.
-    bias_grads: ``(S, N, C)`` per-example gradients of the bias.
-
-  Returns:
-    ``(C, 2, 2)``: ``F_c = (1/N) sum_{s,n} [g_scale, g_bias]^T [g_scale, g_bias]`` at channel c.
+  With ``sharding`` (a ``NamedSharding`` whose spec names the mesh axes of the block axis),
+  the stacks are padded to a multiple of the number of devices along those axes (with copies
+  of their first block; the padding's results are dropped) and ``fn`` runs under
+  ``jax.shard_map`` on ``ceil(K / D)`` blocks per device (KAISA's layer-wise distribution of
+  the inversion work; THOR's uniform blocks make the shares even). The results are gathered
+  where the optimizer state's sharding puts them. ``None`` runs ``fn`` as is.
   """
-  g = jnp.stack([scale_grads, bias_grads], axis=-1)  # (S, N, C, 2)
-  return jnp.einsum("snci,sncj->cij", g, g) / g.shape[1]
-
-
-def unitwise_inverse(fisher: jax.Array, damping: jax.Array) -> jax.Array:
-  """Closed-form inverses of damped 2x2 blocks, ``(F_c + damping I)^-1``.
-
-  ``[[a, b], [b, c]]^-1 = [[c, -b], [-b, a]] / (a c - b^2)``.
-
-  Args:
-    fisher: ``(C, 2, 2)`` symmetric PSD blocks.
-    damping: scalar added to both diagonal entries (``> 0``).
-
-  Returns:
-    ``(C, 2, 2)`` inverses (non-finite where a block is singular).
-  """
-  a = fisher[:, 0, 0] + damping
-  c = fisher[:, 1, 1] + damping
-  b = 0.5 * (fisher[:, 0, 1] + fisher[:, 1, 0])
-  det = a * c - b * b
-  inv = jnp.stack([jnp.stack([c, -b], -1), jnp.stack([-b, a], -1)], -2)
-  return inv / det[:, None, None]
+  if sharding is None:
+    return fn(*stacks)
+  spec = jax.sharding.PartitionSpec(sharding.spec[0] if sharding.spec else None)
+  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  devices = int(np.prod([sharding.mesh.shape[a] for a in axes if a is not None]))
+  k = stacks[0].shape[0]
+  pad = -k % devices
+  padded = [jnp.concatenate([x, jnp.repeat(x[:1], pad, axis=0)]) if pad else x for x in stacks]
+  out = jax.shard_map(fn, mesh=sharding.mesh, in_specs=spec, out_specs=spec)(*padded)
+  return jax.tree.map(lambda y: y[:k], out)

@@ -1,6 +1,6 @@
 """THOR's trace rule: which factor blocks are refreshed, kept stale, or frozen for good.
 
-At a curvature check, every factor block ``F_j`` (a diagonal block of ``A`` or ``G``) compares
+At a check step, every factor block ``F_j`` (a diagonal block of ``A`` or ``G``) compares
 its damped trace now with the damped trace it had when it was last refreshed:
 
     ratio_j = | tr(F_j + d_j I) - tr(F_j' + d_j' I) | / tr(F_j' + d_j' I)
@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from thor_optax._src.refresh import base
 
 
 class TraceDecision(NamedTuple):
@@ -62,9 +64,7 @@ def trace_rule(trace_now: jax.Array, trace_ref: jax.Array, frozen: jax.Array,
     :class:`TraceDecision`.
   """
   never = trace_ref <= 0
-  safe_ref = jnp.where(never, 1.0, trace_ref)
-  ratio = jnp.abs(trace_now - trace_ref) / safe_ref
-  ratio = jnp.where(never | frozen | ~valid, 0.0, ratio)
+  ratio = base.trace_change(trace_now, trace_ref, frozen, valid)
   live = valid & ~frozen
   refresh = live & (never | (ratio >= omega1))
   freeze = live & ~never & (ratio < omega2)
@@ -77,3 +77,38 @@ def check_thresholds(omega1: float, omega2: float) -> None:
     raise ValueError(
         f"trace thresholds must satisfy 0 <= omega2 <= omega1, got omega1={omega1}, "
         f"omega2={omega2}")
+
+
+class TraceRuleState(NamedTuple):
+  """The trace rule's per-block state.
+
+  Attributes:
+    frozen: ``(n,)`` bool, blocks in THOR's frozen regime.
+  """
+
+  frozen: jax.Array
+
+
+class TraceRule(base.RefreshPolicy):
+  """THOR's trace rule with thresholds ``(omega1, omega2)`` (validated on construction)."""
+
+  def __init__(self, omega1: float, omega2: float):
+    check_thresholds(omega1, omega2)
+    self.omega1, self.omega2 = float(omega1), float(omega2)
+
+  def describe(self) -> str:
+    return f"trace_thresholds=({self.omega1}, {self.omega2})"
+
+  def init(self, num_blocks, dtype):
+    del dtype
+    return TraceRuleState(frozen=jnp.zeros((num_blocks,), bool))
+
+  def select(self, trace_now, trace_ref, state, valid, count):
+    del count
+    d = trace_rule(trace_now, trace_ref, state.frozen, valid, self.omega1, self.omega2)
+    return base.Selection(refresh=d.refresh, ratio=d.ratio,
+                          state=TraceRuleState(frozen=state.frozen | d.freeze))
+
+  def frozen(self, state, num_blocks):
+    del num_blocks
+    return state.frozen

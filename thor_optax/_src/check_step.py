@@ -1,0 +1,317 @@
+"""The check step: what ``update(..., curvature_stats=stats)`` does before preconditioning.
+
+Top to bottom (:func:`check_step`):
+
+1. the statistics are matched to the layers of the gradient tree (:func:`statistics_by_layer`);
+2. every Kronecker-factored layer's kind gives the rows of its factors; their block traces and
+   the factors' damping are gathered per block stack (:func:`gather`);
+3. per block stack (:func:`refresh_stack`) the refresh policy chooses the blocks due (THOR's
+   trace rule, K-FAC's every check, SP-NGD's adaptive interval); the factor accumulator turns
+   their covariances into the factors to invert (current batch, or running average with an
+   inverse period); the inverse method refreshes only those blocks, batched over the stack
+   (``blocks.masked_block_update``), or from the rows behind a factor (Woodbury);
+4. side curvature (an embedding's diagonal ``A``, a normalization layer's unit-wise Fisher) is
+   refreshed by its layer kind, and the per-layer diagnostics are recorded.
+
+References:
+  Chen et al., "THOR", AAAI 2021 (trace rule, split damping, 128-blocks).
+  Martens & Grosse, K-FAC, ICML 2015; Pauloski et al., KAISA, SC 2021; Tang et al., SKFAC,
+  CVPR 2021; Osawa et al., SP-NGD, TPAMI 2020.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from thor_optax._src import blocks
+from thor_optax._src import damping as damping_lib
+from thor_optax._src import stats as stats_lib
+from thor_optax._src.layers import base as layer_base
+
+
+class BlockRecord(NamedTuple):
+  """What every block stack records, whatever its pieces.
+
+  Attributes:
+    trace_ref: ``(n,)`` damped trace of each block at its last factor refresh (0: never).
+    refreshes: ``(n,)`` int32, inversions of each block so far.
+  """
+
+  trace_ref: jax.Array
+  refreshes: jax.Array
+
+
+class LayerDiagnostics(NamedTuple):
+  """Per-layer record of the check steps (all scalars).
+
+  Attributes:
+    blocks_refreshed: number of the layer's factor blocks (``A`` and ``G``) whose inverse was
+      refreshed at its last check step.
+    num_blocks: the layer's total number of factor blocks.
+    total_refreshes: block inverse refreshes summed over all check steps so far.
+    frozen_blocks: blocks in THOR's frozen regime.
+    trace_ratio: largest relative damped-trace change among the layer's blocks at the last
+      check (0 for blocks refreshed for the first time).
+  """
+
+  blocks_refreshed: jax.Array
+  num_blocks: jax.Array
+  total_refreshes: jax.Array
+  frozen_blocks: jax.Array
+  trace_ratio: jax.Array
+
+
+class StackInputs(NamedTuple):
+  """A block stack's inputs at a check step.
+
+  Attributes:
+    trace: ``(n,)`` damped trace of every block (0 where no valid statistics).
+    damping: ``(n,)`` damping added to every block (1 where none).
+    valid: ``(n,)`` bool, blocks with finite statistics at this check.
+    rows: ``{slot: FactorRows}`` of the factors in the stack that have statistics.
+    slots: every factor slot of the stack, in block order.
+  """
+
+  trace: jax.Array
+  damping: jax.Array
+  valid: jax.Array
+  rows: dict
+  slots: tuple
+
+
+def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam: jax.Array,
+               cfg: Any, masked: frozenset[str] = frozenset()) -> Any:
+  """One check step on a ``KroneckerState``: refresh the blocks due, side curvature and
+  diagnostics (``lam``: ``lambda`` at this step; ``masked``: modules ``optax.masked`` hid)."""
+  dtype = state_dtype(state)
+  flat = statistics_by_layer(curvature_stats, layout, masked)
+  key = None if cfg.subsample_key is None else jax.random.fold_in(cfg.subsample_key, state.count)
+  lam = jnp.asarray(lam, dtype)
+  factors = {spec.name: layer_factors(spec, flat[spec.name], dtype, cfg, key, jnp.sqrt(lam))
+             for spec in layout.layers if spec.name in flat and spec.g is not None}
+  inputs = gather(layout, factors, dtype)
+  invert_now = cfg.accumulator.inverts_now(state.accumulator, state.count)
+  new_blocks, refreshed, ratio = {}, {}, {}
+  for group in layout.groups:
+    new_blocks[group], refreshed[group], ratio[group] = refresh_stack(
+        group, state.blocks[group], inputs[group], layout, cfg, invert_now, state.count)
+  side = {spec.name: spec.kind.side_refresh(spec, flat[spec.name], state.layers[spec.name],
+                                            factors.get(spec.name), lam,
+                                            cfg.method, cfg.accumulator)
+          for spec in layout.layers if spec.name in state.layers and spec.name in flat}
+  diagnostics = {**state.diagnostics, **{
+      spec.name: layer_diagnostics(spec, state.diagnostics[spec.name], new_blocks, refreshed,
+                                   ratio, cfg.policy)
+      for spec in layout.layers if spec.name in factors}}
+  return state._replace(
+      blocks=new_blocks, layers={**state.layers, **side}, diagnostics=diagnostics,
+      accumulator=cfg.accumulator.update_global(state.accumulator, invert_now, state.count))
+
+
+def state_dtype(state: Any) -> jnp.dtype:
+  """The dtype of a ``KroneckerState``'s curvature (float32 if it holds none)."""
+  records = [stack["record"].trace_ref for stack in state.blocks.values()]
+  floats = [x for x in records + jax.tree.leaves(state.layers)
+            if jnp.issubdtype(x.dtype, jnp.floating)]
+  return floats[0].dtype if floats else jnp.float32
+
+
+def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg: Any,
+                  key: Any, sqrt_damping: jax.Array) -> layer_base.LayerFactors:
+  """A Kronecker-factored layer's factor rows (or diagonal ``A``), damping and validity."""
+  spec.kind.check_stats(spec, stats)
+  kw = dict(sampling=cfg.sampling, key=key)
+  g = spec.kind.cotangent_rows(spec, stats, dtype, **kw)
+  a = spec.kind.input_rows(spec, stats, dtype, **kw)
+  for slot, which, r in ((spec.a, "A", a), (spec.g, "G", g)):
+    if slot is not None:
+      cfg.group_method(slot.group).check_rows(spec.name, which, slot, r.rows.shape[0])
+  tr_g = blocks.block_traces(g.rows, g.scale, spec.g)
+  if spec.a is not None:
+    tr_a, dim_a = blocks.block_traces(a.rows, a.scale, spec.a), spec.a.dim
+  else:  # a diagonal A: its values
+    tr_a, dim_a = jnp.sum(a, keepdims=True), a.shape[0]
+  finite = jnp.all(jnp.isfinite(tr_a)) & jnp.all(jnp.isfinite(tr_g))
+  d_a, d_g = damping_lib.split_damping(tr_a, dim_a, tr_g, spec.g.dim, sqrt_damping,
+                                       cfg.damping.pi_damping)
+  return layer_base.LayerFactors(a, g, tr_a, tr_g, d_a, d_g, finite)
+
+
+def _real_counts(slot: blocks.FactorSlot) -> np.ndarray:
+  """``(num_blocks,)`` number of true (unpadded) dimensions per block."""
+  starts = np.arange(slot.num_blocks) * slot.block
+  return np.clip(slot.dim - starts, 0, slot.block).astype(np.float32)
+
+
+def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactors],
+           dtype: jnp.dtype) -> dict[str, StackInputs]:
+  """Per block stack: damped traces, damping and validity of every block, and factor rows."""
+  trace = {g: jnp.zeros((n,), dtype) for g, (_, n) in layout.groups.items()}
+  damping = {g: jnp.ones((n,), dtype) for g, (_, n) in layout.groups.items()}
+  valid = {g: jnp.zeros((n,), bool) for g, (_, n) in layout.groups.items()}
+  rows = {g: {} for g in layout.groups}
+  for spec in layout.layers:
+    if spec.name not in factors:
+      continue
+    f = factors[spec.name]
+    for slot, r, tr, d in ((spec.a, f.a, f.a_traces, f.d_a), (spec.g, f.g, f.g_traces, f.d_g)):
+      if slot is None:
+        continue
+      damped = jnp.where(f.finite, tr + d * jnp.asarray(_real_counts(slot), dtype), 0.0)
+      g, span = slot.group, slice(slot.start, slot.stop)
+      trace[g] = trace[g].at[span].set(damped)
+      damping[g] = damping[g].at[span].set(d)
+      valid[g] = valid[g].at[span].set(f.finite)
+      rows[g][slot] = r
+  slots = {g: tuple(sorted((s for spec in layout.layers for s in spec.slots if s.group == g),
+                          key=lambda s: s.start)) for g in layout.groups}
+  return {g: StackInputs(trace[g], damping[g], valid[g], rows[g], slots[g])
+          for g in layout.groups}
+
+
+def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.BlockLayout,
+                  cfg: Any, invert_now: jax.Array, count: jax.Array) -> tuple[dict, Any, Any]:
+  """One block stack at a check step: ``(new stack, (n,) refreshed, (n,) trace change)``."""
+  method = cfg.group_method(group)
+  b, n = layout.groups[group]
+  record = stack["record"]
+  choice = cfg.policy.select(inputs.trace, record.trace_ref, stack.get("policy"), inputs.valid,
+                             count)
+  from_rows = {slot: r for slot, r in inputs.rows.items()
+               if method.from_rows(slot, r.rows.shape[0], "rows" in cfg.accumulator.provides)}
+  row_mask = np.zeros((n,), bool)
+  for slot in from_rows:
+    row_mask[slot.start:slot.stop] = True
+  new = dict(stack)
+  inverse, refreshed, factor_set = stack["inverse"], jnp.zeros((n,), bool), None
+  policy_state = choice.state
+  if method.rank == 0 and not row_mask.all():  # some blocks are inverted from covariances
+    never = record.trace_ref <= 0
+    selected = choice.refresh & ~jnp.asarray(row_mask)
+    cov = covariances(inputs, from_rows, selected, b, record.trace_ref.dtype, cfg)
+    accumulated = stack.get("accumulator")
+    update, policy_state = cfg.policy.confirm(
+        selected, cov, getattr(accumulated, "factor", None), never, choice.state, count)
+    acc = cfg.accumulator.accumulate(cov, update, never, accumulated, invert_now)
+    real = jnp.asarray(layout.real_dims(group), record.trace_ref.dtype)
+    inverse, refreshed = blocks.masked_block_update(
+        acc.invert, inverse, lambda idx: method.refresh_covariance(
+            jnp.take(acc.source, idx, axis=0), inputs.damping[idx], real[idx],
+            cfg.block_sharding), cfg.num_buckets)
+    if acc.state is not None:
+      new["accumulator"] = cfg.accumulator.after_inversion(acc.state, refreshed)
+    factor_set = acc.factor_set
+  for slot, rows in from_rows.items():
+    inverse, refreshed = refresh_from_rows(method, slot, rows, inverse, refreshed,
+                                           choice.refresh, inputs, layout, cfg)
+  factor_set = refreshed if factor_set is None else factor_set
+  new["inverse"] = inverse
+  new["record"] = BlockRecord(jnp.where(factor_set, inputs.trace, record.trace_ref),
+                              record.refreshes + refreshed.astype(jnp.int32))
+  if policy_state is not None:
+    new["policy"] = policy_state
+  return new, refreshed, choice.ratio
+
+
+def covariances(inputs: StackInputs, from_rows: dict, selected: jax.Array, b: int,
+                dtype: jnp.dtype, cfg: Any) -> jax.Array:
+  """``(n, b, b)`` covariance blocks of the stack: the selected blocks of every factor with
+  statistics (not inverted from rows) multiplied out, zeros elsewhere; skipped blocks cost
+  nothing (``blocks.masked_block_update``)."""
+  parts = []
+  for slot in inputs.slots:
+    zeros = jnp.zeros((slot.num_blocks, b, b), dtype)
+    if slot not in inputs.rows or slot in from_rows:
+      parts.append(zeros)
+      continue
+    r = inputs.rows[slot]
+    cov, _ = blocks.masked_block_update(
+        selected[slot.start:slot.stop], zeros,
+        lambda idx, r=r, slot=slot: (blocks.block_covariances(r.rows, r.scale, slot, idx),
+                                     jnp.ones(idx.shape, bool)), cfg.num_buckets)
+    parts.append(cov)
+  return jnp.concatenate(parts, axis=0)
+
+
+def refresh_from_rows(method: Any, slot: blocks.FactorSlot, rows: Any, inverse: Any,
+                      refreshed: jax.Array, selected: jax.Array, inputs: StackInputs,
+                      layout: blocks.BlockLayout, cfg: Any) -> tuple[Any, jax.Array]:
+  """The selected blocks of one factor inverted from its rows (Woodbury, low-rank form)."""
+  span = slice(slot.start, slot.stop)
+  dtype = inputs.damping.dtype
+  real = jnp.asarray(layout.real_dims(slot.group)[span], dtype)
+  damping = inputs.damping[span]
+  part, done = blocks.masked_block_update(
+      selected[span], jax.tree.map(lambda v: v[span], inverse),
+      lambda idx: method.refresh_rows(rows, slot, idx, damping[idx], real[idx],
+                                      cfg.block_sharding), cfg.num_buckets)
+  inverse = jax.tree.map(lambda v, p: v.at[span].set(p), inverse, part)
+  return inverse, refreshed.at[span].set(done)
+
+
+def layer_diagnostics(spec: layer_base.LayerSpec, old: LayerDiagnostics, stacks: dict,
+                      refreshed: dict, ratio: dict, policy: Any) -> LayerDiagnostics:
+  """A layer's diagnostics after a check step, summed over its factor blocks."""
+  def total(values):
+    return sum(jnp.sum(values(s)[s.start:s.stop], dtype=jnp.int32) for s in spec.slots)
+
+  return LayerDiagnostics(
+      blocks_refreshed=total(lambda s: refreshed[s.group]),
+      num_blocks=old.num_blocks,
+      total_refreshes=total(lambda s: stacks[s.group]["record"].refreshes),
+      frozen_blocks=total(lambda s: policy.frozen(stacks[s.group].get("policy"),
+                                                  refreshed[s.group].shape[0])),
+      trace_ratio=jnp.max(jnp.stack([jnp.max(ratio[s.group][s.start:s.stop])
+                                     for s in spec.slots])))
+
+
+def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
+                        masked: frozenset[str]) -> dict[str, Any]:
+  """The statistics of a check step by layer name, validated against the gradient tree.
+
+  Statistics of modules that ``optax.masked`` / ``optax.partition`` hid from this transform
+  (``masked``) are dropped: the whole model's statistics may be passed to every member.
+
+  Raises:
+    ValueError: if the statistics hold no layer at all while the gradients have layers, or name
+      a layer that no registered kind claimed in the gradients.
+  Warns:
+    UserWarning: naming each layer of the gradients without statistics (with the capture's
+      reason, e.g. a shared layer) and each captured-but-unsupported module; their gradients
+      pass through as they are.
+  """
+  by_name = {spec.name for spec in layout.layers}
+  flat = stats_lib.flatten_layer_stats(curvature_stats)
+  reasons = dict(note.split(": ", 1) for note in getattr(curvature_stats, "unhandled", ())
+                 if ": " in note)
+  if not flat and by_name:
+    raise ValueError(
+        f"curvature_stats holds no layer statistics, but the gradients have layers "
+        f"{sorted(by_name)}. Pass the statistics returned by value_and_grad_with_stats for the "
+        "same model and batch, or call update without curvature_stats on a plain step."
+        + (f" The capture preconditions none of the model's layers: {reasons}."
+           if reasons else ""))
+  flat = {name: layer for name, layer in flat.items() if name not in masked}
+  unknown = sorted(set(flat) - by_name)
+  if unknown:
+    kinds = {spec.name: spec.kind.name for spec in layout.layers}
+    raise ValueError(
+        f"curvature_stats has statistics for {unknown}, which match no layer in the gradients "
+        f"(layers and their kinds: {kinds}). Were they captured from a different model? Capture "
+        "them from the model whose gradients you pass (inside optax.masked / optax.partition, "
+        "layers of the other partitions are ignored).")
+  silent = {name: why for name, why in reasons.items()
+            if name not in by_name and name not in masked}
+  missing = {name: reasons.get(name, "no statistics were passed for it")
+             for name in sorted(by_name - set(flat) - masked)}
+  if missing or silent:
+    notes = "; ".join(f"{name}: {why}" for name, why in {**missing, **silent}.items())
+    warnings.warn(
+        f"curvature_stats: layers not preconditioned ({notes}). Their gradients pass through as "
+        "they are; to train them with another optimizer, use optax.partition.", stacklevel=5)
+  return flat

@@ -1,0 +1,52 @@
+"""The registry of inverse methods, one module each: ``cholesky``, ``eigh``, ``woodbury``,
+``low_rank``, ``auto`` (the interface is ``base.InverseMethod``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from thor_optax._src.inverses import auto
+from thor_optax._src.inverses import base
+from thor_optax._src.inverses import cholesky
+from thor_optax._src.inverses import eigh
+from thor_optax._src.inverses import low_rank
+from thor_optax._src.inverses import woodbury
+
+InverseMethod = base.InverseMethod
+
+# name -> (class, whether it takes woodbury_rows: 'no', 'optional' or 'required')
+METHODS = {
+    "cholesky": (cholesky.Cholesky, "no"),
+    "eigh": (eigh.Eigh, "no"),
+    "woodbury": (woodbury.Woodbury, "optional"),
+    "low_rank": (low_rank.LowRank, "required"),
+    "auto": (auto.Auto, "optional"),
+}
+
+
+def make(name: str, woodbury_rows: Optional[int] = None) -> base.InverseMethod:
+  """The inverse method ``name`` (``inverse_method=``), with ``woodbury_rows`` where it applies.
+
+  Raises:
+    ValueError: on an unknown name, a ``woodbury_rows`` that is not a positive int, given to a
+      method that keeps no low-rank form, or missing for ``'low_rank'``.
+  """
+  if name not in METHODS:
+    raise ValueError(f"inverse_method must be one of {tuple(METHODS)}, got {name!r}")
+  cls, rows = METHODS[name]
+  if woodbury_rows is not None and (not isinstance(woodbury_rows, (int, np.integer))
+                                    or isinstance(woodbury_rows, bool) or woodbury_rows < 1):
+    raise ValueError(f"woodbury_rows must be a positive Python int or None, got "
+                     f"{woodbury_rows!r}; it fixes array shapes of the state.")
+  if woodbury_rows is not None and rows == "no":
+    raise ValueError(
+        f"woodbury_rows keeps factors in low-rank Woodbury form: it needs inverse_method="
+        f"'woodbury', 'low_rank' or 'auto', not {name!r}.")
+  if woodbury_rows is None and rows == "required":
+    raise ValueError(f"inverse_method={name!r} needs woodbury_rows=m, the rows a factor may "
+                     "have.")
+  if rows == "no":
+    return cls()
+  return cls(None if woodbury_rows is None else int(woodbury_rows))

@@ -1,0 +1,102 @@
+"""The registry of layer kinds: capture, the transforms, micro-batches and weight rescaling
+loop over it.
+
+Each kind is one module of this package (``dense.py``, ``conv.py``, ``embed.py``, ``norm.py``)
+holding a :class:`~thor_optax._src.layers.base.LayerKind`. Kinds are tried in registry order;
+a kind registered by a user with :func:`register_layer_kind` is tried before the built-in ones,
+so it can take over modules (a subclass of ``nn.Conv`` whose kernel is transformed in
+``__call__``, say) or parameters a built-in kind would claim.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional
+
+from thor_optax._src.layers import base
+from thor_optax._src.layers import conv
+from thor_optax._src.layers import dense
+from thor_optax._src.layers import embed
+from thor_optax._src.layers import norm
+
+LayerKind = base.LayerKind
+LayerSpec = base.LayerSpec
+
+_BUILTIN: tuple[base.LayerKind, ...] = (dense.Dense(), conv.Conv(), embed.Embed(), norm.Norm())
+_user: list[base.LayerKind] = []
+
+
+def registered() -> tuple[base.LayerKind, ...]:
+  """All kinds in the order they are tried: user kinds (newest first), then built-in ones."""
+  return tuple(_user) + _BUILTIN
+
+
+def register_layer_kind(kind: base.LayerKind) -> base.LayerKind:
+  """Registers a layer kind; it is tried before every kind registered earlier.
+
+  Args:
+    kind: an instance of a :class:`LayerKind` subclass with a unique ``name``, a
+      ``stats_type`` (a dataclass registered with ``jax.tree_util.register_dataclass``), its
+      ``example_axes``, the module classes it matches and :meth:`LayerKind.claim`; kinds with
+      Kronecker factors also define ``input_rows`` (and ``kernel_matrix`` /
+      ``kernel_from_matrix`` when the weight is not already ``(d_in..., d_out)``).
+
+  Returns:
+    ``kind``, so that it can be used as a decorator of an instance.
+
+  Raises:
+    TypeError: if ``kind`` is not a ``LayerKind`` instance.
+    ValueError: if its ``name`` is empty or already registered, or its ``stats_type`` is
+      another kind's with other ``example_axes``.
+  """
+  if not isinstance(kind, base.LayerKind):
+    raise TypeError(f"register_layer_kind needs a LayerKind instance, got {kind!r}; subclass "
+                    "thor_optax.LayerKind and pass an instance.")
+  if not kind.name or any(k.name == kind.name for k in registered()):
+    raise ValueError(f"register_layer_kind: the name {kind.name!r} is empty or taken; "
+                     f"registered: {[k.name for k in registered()]}.")
+  if any(k.stats_type is kind.stats_type and dict(k.example_axes) != dict(kind.example_axes)
+         for k in registered()):
+    raise ValueError(f"register_layer_kind: {kind.stats_type.__name__} is the statistics type of "
+                     "another kind with other example_axes; give the new kind its own dataclass.")
+  _user.insert(0, kind)
+  return kind
+
+
+def unregister_layer_kind(kind: base.LayerKind) -> None:
+  """Removes a kind added by :func:`register_layer_kind` (``ValueError`` if it was not)."""
+  if kind not in _user:
+    raise ValueError(f"unregister_layer_kind: {kind!r} was not registered by the user.")
+  _user.remove(kind)
+
+
+def kind_of_module(module: Any) -> Optional[base.LayerKind]:
+  """The first registered kind matching a linen or NNX module instance, or ``None``."""
+  return next((k for k in registered() if k.matches(module)), None)
+
+
+def kind_of_stats(stats: Any) -> Optional[base.LayerKind]:
+  """The kind whose statistics type ``stats`` is an instance of, or ``None``."""
+  return next((k for k in registered() if type(stats) is k.stats_type), None)
+
+
+def is_layer_stats(x: Any) -> bool:
+  """True for one layer's statistics (a leaf when flattening ``CurvatureStats.layers``)."""
+  return kind_of_stats(x) is not None
+
+
+def intercepted(api: str) -> Iterable[tuple[type, str]]:
+  """``(class, method)`` pairs of every registered kind's ``'linen'`` or ``'nnx'`` modules."""
+  for kind in registered():
+    for cls in (kind.linen_modules if api == "linen" else kind.nnx_modules):
+      for method in kind.methods:
+        yield cls, method
+
+
+def claim(path: tuple[str, ...],
+          shapes: Mapping[str, tuple[int, ...]]) -> Optional[tuple[base.LayerKind, base.Claim]]:
+  """The first kind claiming a module's leaves ``{name: shape}``, with its claim, or ``None``."""
+  for kind in registered():
+    found = kind.claim(path, shapes)
+    if found is not None:
+      return kind, found
+  return None

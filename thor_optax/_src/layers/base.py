@@ -1,0 +1,279 @@
+"""The interface of a layer kind: everything the package knows about one kind of layer.
+
+A :class:`LayerKind` declares, in one place, what capture, the transforms, ``concatenate_stats``
+and weight rescaling need about one kind of layer (Flax ``Dense``, ``Conv``, ``Embed``,
+``BatchNorm``/``LayerNorm``, or a kind a user registers with
+:func:`thor_optax.register_layer_kind`):
+
+* **capture**: the Flax linen and NNX module classes it matches (:attr:`linen_modules`,
+  :attr:`nnx_modules`), the methods that are intercepted, whether a call can be captured
+  (:meth:`plan`) and the statistics container built from the recorded input and output
+  cotangents (:attr:`stats_type`, :meth:`make_stats`);
+* **parameters**: which module parameters it owns (:meth:`claim`), from their names and shapes
+  alone, since ``optax`` ``init`` sees nothing else;
+* **curvature**: the rows behind its Kronecker factors and their scale (:meth:`factor_rows`,
+  ``A = scale_A rows_A^T rows_A``), how the gradient leaves map to the ``(d_A, d_G)`` matrix the
+  factors act on and back (:meth:`to_matrix`, :meth:`from_matrix`), the example axes of its
+  statistics (:attr:`example_axes`, for ``concatenate_stats``), and any side curvature it keeps
+  outside the block stacks (an embedding's diagonal ``A``, a normalization layer's unit-wise
+  2x2 Fisher: :meth:`side_init`, :meth:`side_refresh`, :meth:`side_precondition`).
+
+Kinds hold no arrays and no mutable state: they are static descriptions, compared by identity.
+
+References:
+  kfac-jax ``curvature_blocks``: one class per layer kind behind one interface.
+  Martens & Grosse, K-FAC, ICML 2015, eq. 1 (``F ~ A (x) G``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Claim(NamedTuple):
+  """What a kind owns of one module's parameters (from :meth:`LayerKind.claim`).
+
+  Attributes:
+    a_dim: dimension of the input factor ``A`` kept in the block stacks, or ``None`` when the
+      kind keeps no blocked ``A`` (embeddings: diagonal; normalization layers: none).
+    g_dim: dimension of the output factor ``G`` in the block stacks, or ``None``.
+  """
+
+  a_dim: Optional[int]
+  g_dim: Optional[int]
+
+
+class FactorRows(NamedTuple):
+  """A Kronecker factor given by scaled rows: ``F = scale * rows^T rows``.
+
+  Attributes:
+    rows: ``(R, d)``; ``R`` (examples x positions x samples) is static.
+    scale: scalar.
+  """
+
+  rows: jax.Array
+  scale: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+  """One layer of a parameter tree, as a kind claimed it (static, hashable).
+
+  Attributes:
+    path: module path (keys from the parameter root to the dict holding the leaves).
+    kind: the :class:`LayerKind` that claimed it.
+    shapes: ``((leaf name, shape), ...)`` of the module's leaves, sorted by name.
+    a: slot of the input factor ``A`` in the block stacks (``blocks.FactorSlot``), or ``None``.
+    g: slot of the output factor ``G``, or ``None``.
+  """
+
+  path: tuple[str, ...]
+  kind: "LayerKind"
+  shapes: tuple[tuple[str, tuple[int, ...]], ...]
+  a: Any = None
+  g: Any = None
+
+  @property
+  def name(self) -> str:
+    """``'/'``-joined module path, the layer's name in statistics, state and messages."""
+    return "/".join(self.path)
+
+  def shape(self, leaf: str) -> Optional[tuple[int, ...]]:
+    """Shape of the module's leaf ``leaf``, or ``None``."""
+    return dict(self.shapes).get(leaf)
+
+  @property
+  def kernel_shape(self) -> tuple[int, ...]:
+    """Shape of the kind's weight leaf (``kernel``, ``embedding``, or ``scale``/``bias``)."""
+    return self.shape(self.kind.weight) or self.shape("bias")
+
+  @property
+  def has_bias(self) -> bool:
+    """Whether a ``bias`` leaf of length ``d_out`` sits beside the weight."""
+    return self.shape("bias") == (self.kernel_shape[-1],)
+
+  @property
+  def slots(self) -> tuple[Any, ...]:
+    """The factor slots in the block stacks (``A`` then ``G``)."""
+    return tuple(s for s in (self.a, self.g) if s is not None)
+
+  @property
+  def d_in(self) -> int:
+    """Input dimension of the weight as a matrix (conv: ``C_in k_h k_w``), bias excluded."""
+    return int(np.prod(self.kernel_shape[:-1]))
+
+  @property
+  def d_out(self) -> int:
+    return int(self.kernel_shape[-1])
+
+
+class Plan(NamedTuple):
+  """Outcome of :meth:`LayerKind.plan` for one captured module call.
+
+  Attributes:
+    meta: static keyword arguments of :meth:`LayerKind.make_stats` (a dict), or ``None`` if the
+      call is not captured.
+    reason: why it is not captured (listed in ``CurvatureStats.unhandled``); ``''`` with
+      ``meta=None`` means there is nothing to precondition (no parameters), silently skipped.
+  """
+
+  meta: Optional[dict]
+  reason: str = ""
+
+
+class LayerKind:
+  """One kind of layer (subclass it, then :func:`thor_optax.register_layer_kind`).
+
+  Class attributes:
+    name: the kind's name (``'dense'``, ``'conv'``, ...), unique in the registry.
+    stats_type: the statistics container (a ``jax.tree_util.register_dataclass`` dataclass).
+    example_axes: ``{field: axis}``, the example axis of every array field of ``stats_type``.
+    linen_modules, nnx_modules: module classes matched by ``isinstance``.
+    methods: names of the intercepted methods; statistics come from ``'__call__'``, the others
+      are only recorded (e.g. ``Embed.attend``, to see a tied embedding).
+    weight: name of the weight leaf (``'kernel'``, ``'embedding'``).
+    normalized_input: whether capture records ``x_hat`` (the input normalized, before scale and
+      bias) instead of the raw input (normalization layers).
+    he_rescaled: whether ``rescale_weight_norms`` caps the weight's norm (SP-NGD).
+  """
+
+  name: str = ""
+  stats_type: type = type(None)
+  example_axes: Mapping[str, int] = {}
+  linen_modules: tuple[type, ...] = ()
+  nnx_modules: tuple[type, ...] = ()
+  methods: tuple[str, ...] = ("__call__",)
+  weight: str = "kernel"
+  normalized_input: bool = False
+  he_rescaled: bool = False
+
+  def __repr__(self) -> str:
+    return f"<layer kind {self.name!r}>"
+
+  # ---- capture -------------------------------------------------------------------------------
+
+  def matches(self, module: Any) -> bool:
+    """Whether ``module`` (a linen or NNX module instance) is of this kind."""
+    return isinstance(module, self.linen_modules + self.nnx_modules)
+
+  def plan(self, module: Any, methods: tuple[str, ...],
+           input_shape: tuple[int, ...]) -> Plan:
+    """Whether a call is captured: ``methods`` are those seen for the module in one pass."""
+    del module, methods, input_shape
+    return Plan(meta={})
+
+  def make_stats(self, inputs: jax.Array, cotangents: jax.Array, **meta: Any) -> Any:
+    """The statistics of one call: ``inputs`` as recorded (``(N, ...)``; ``x_hat`` for
+    :attr:`normalized_input` kinds) and per-example output cotangents ``(S, N, ...)``."""
+    return self.stats_type(inputs=inputs, cotangents=cotangents, **meta)
+
+  # ---- parameters ----------------------------------------------------------------------------
+
+  def claim(self, path: tuple[str, ...],
+            shapes: Mapping[str, tuple[int, ...]]) -> Optional[Claim]:
+    """The factors of the module at ``path`` with leaves ``{name: shape}``, or ``None`` if it
+    is not this kind's (a user kind may look at the path: linen names modules after their class,
+    ``'Projection_0'``)."""
+    raise NotImplementedError
+
+  # ---- Kronecker factors ---------------------------------------------------------------------
+
+  def check_stats(self, spec: LayerSpec, stats: Any) -> None:
+    """Raises ``ValueError`` naming the layer if ``stats`` do not fit its weight."""
+    if not isinstance(stats, self.stats_type):
+      raise ValueError(
+          f"curvature_stats for layer {spec.name!r} ({spec.kind.weight} shape "
+          f"{spec.kernel_shape}): got {type(stats).__name__}, expected "
+          f"{self.stats_type.__name__}.")
+
+  def input_rows(self, spec: LayerSpec, stats: Any, dtype: jnp.dtype, *, sampling: Any = None,
+                 key: Optional[jax.Array] = None) -> FactorRows:
+    """``(rows, scale)`` with ``A = scale rows^T rows`` (kinds with a blocked ``A``)."""
+    raise NotImplementedError
+
+  def cotangent_rows(self, spec: LayerSpec, stats: Any, dtype: jnp.dtype, *,
+                     sampling: Any = None, key: Optional[jax.Array] = None) -> FactorRows:
+    """``(rows, scale)`` with ``G = scale rows^T rows``: per-example cotangents ``g``, ``G``
+    averaging over the ``N T`` examples x positions and summing over the ``S`` samples."""
+    g = stats.cotangents
+    n_positions = int(np.prod(g.shape[1:-1]))
+    rows = g.reshape(-1, g.shape[-1]).astype(dtype)
+    return FactorRows(rows, jnp.asarray(1.0 / n_positions, dtype))
+
+  def to_matrix(self, spec: LayerSpec, leaves: Mapping[str, jax.Array],
+                dtype: jnp.dtype) -> jax.Array:
+    """The gradient leaves as the ``(d_A, d_G)`` matrix the factors act on (bias row last)."""
+    x = self.kernel_matrix(leaves[self.weight]).astype(dtype)
+    if spec.has_bias:
+      x = jnp.concatenate([x, leaves["bias"][None, :].astype(x.dtype)], axis=0)
+    return x
+
+  def from_matrix(self, spec: LayerSpec, matrix: jax.Array,
+                  leaves: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Inverse of :meth:`to_matrix`: ``{leaf name: new leaf}`` in the leaves' dtypes."""
+    out = {self.weight: self.kernel_from_matrix(matrix[:spec.d_in], spec.kernel_shape)
+           .astype(leaves[self.weight].dtype)}
+    if spec.has_bias:
+      out["bias"] = matrix[spec.d_in].astype(leaves["bias"].dtype)
+    return out
+
+  def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
+    """The weight as a ``(d_in, d_out)`` matrix (default: all axes but the last are inputs)."""
+    return kernel.reshape(-1, kernel.shape[-1])
+
+  def kernel_from_matrix(self, matrix: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Inverse of :meth:`kernel_matrix`."""
+    return matrix.reshape(shape)
+
+  # ---- side curvature (outside the block stacks) ---------------------------------------------
+
+  def side_init(self, spec: LayerSpec, dtype: jnp.dtype, method: Any,
+                accumulator: Any) -> Optional[Any]:
+    """State of the layer's side curvature, or ``None`` if it has none."""
+    del spec, dtype, method, accumulator
+    return None
+
+  def side_refresh(self, spec: LayerSpec, stats: Any, state: Any, factors: Any,
+                   damping: jax.Array, method: Any, accumulator: Any) -> Any:
+    """The side curvature after a check step with ``stats`` (``factors``: the layer's
+    :class:`LayerFactors`; ``damping``: ``lambda``)."""
+    del spec, stats, factors, damping, method, accumulator
+    return state
+
+  def a_operator(self, spec: LayerSpec, state: Any, method: Any) -> Any:
+    """The damped inverse of ``A`` when it is side curvature (a diagonal ``A``), else ``None``."""
+    del spec, state, method
+    return None
+
+  def side_precondition(self, spec: LayerSpec, leaves: Mapping[str, jax.Array], state: Any,
+                        dtype: jnp.dtype) -> dict[str, jax.Array]:
+    """Gradient leaves preconditioned by side curvature alone (kinds without block factors)."""
+    raise NotImplementedError(f"layer kind {self.name!r} has no side curvature to apply")
+
+
+class LayerFactors(NamedTuple):
+  """One layer's factors at a check step, as the transform gathers them.
+
+  Attributes:
+    a: :class:`FactorRows` of a blocked ``A``, the ``(d_A,)`` diagonal of a diagonal ``A``, or
+      ``None``.
+    g: :class:`FactorRows` of ``G``.
+    a_traces: ``(num_blocks,)`` block traces of ``A`` (of the diagonal: its sum, ``(1,)``).
+    g_traces: ``(num_blocks,)`` block traces of ``G``.
+    d_a: damping added to ``A`` (scalar).
+    d_g: damping added to ``G`` (scalar).
+    finite: whether the layer's factor traces are finite (scalar bool).
+  """
+
+  a: Any
+  g: Any
+  a_traces: jax.Array
+  g_traces: jax.Array
+  d_a: jax.Array
+  d_g: jax.Array
+  finite: jax.Array

@@ -1,0 +1,109 @@
+"""Dense layers ``y = x @ kernel (+ bias)``: Flax ``nn.Dense`` and ``nnx.Linear``.
+
+Factors (Martens & Grosse 2015, eq. 1; with positions as in KFC, Grosse & Martens 2016): for
+inputs ``(N, ..., d_in)`` whose middle axes are ``T`` positions sharing the weights,
+
+    A = (1/N) sum_{n,t} a_{n,t} a_{n,t}^T,   G = (1/(N T)) sum_{s,n,t} g_{s,n,t} g_{s,n,t}^T,
+
+with a ones column appended to ``a`` for the bias. The kernel gradient is already the
+``(d_in, d_out)`` matrix (bias row appended).
+
+References:
+  Martens & Grosse, "Optimizing Neural Networks with Kronecker-factored Approximate Curvature",
+  ICML 2015, section 3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from thor_optax._src.layers import base
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseStats:
+  """Statistics of one dense layer ``y = x @ kernel (+ bias)``.
+
+  Attributes:
+    inputs: layer input ``a``, shape ``(N, ..., d_in)``; axis 0 indexes examples, any further
+      leading axes are positions that share the weights.
+    cotangents: per-example output cotangents ``g = dL_n/dy``, shape ``(S, N, ..., d_out)``,
+      where ``S`` is the number of cotangent samples (1 for the empirical Fisher). ``G`` sums
+      over ``S`` and averages over examples and positions.
+  """
+
+  inputs: jax.Array
+  cotangents: jax.Array
+
+
+def with_ones(rows: jax.Array) -> jax.Array:
+  """``(R, d)`` rows with a ones column appended (the bias input)."""
+  return jnp.concatenate([rows, jnp.ones((rows.shape[0], 1), rows.dtype)], axis=1)
+
+
+def check_cotangents(spec: base.LayerSpec, stats) -> None:
+  """Raises ``ValueError`` naming the layer unless cotangents are ``(S, N, ..., d_out)``."""
+  g = stats.cotangents
+  if g.ndim < 2 or g.shape[-1] != spec.d_out:
+    raise ValueError(
+        f"{where(spec)}: cotangents must have shape (S, N, ..., {spec.d_out}), got {g.shape}.")
+
+
+def check_inputs(spec: base.LayerSpec, stats, c_in: int) -> None:
+  """Raises ``ValueError`` naming the layer unless inputs are ``(N, ..., c_in)`` with the
+  cotangents' ``N``."""
+  a, g = stats.inputs, stats.cotangents
+  if a.shape[-1] != c_in:
+    raise ValueError(f"{where(spec)}: inputs have trailing dimension {a.shape[-1]}, expected "
+                     f"{c_in}.")
+  if g.shape[1] != a.shape[0]:
+    raise ValueError(
+        f"{where(spec)}: cotangents have {g.shape[1]} examples on axis 1, inputs {a.shape[0]} "
+        "on axis 0.")
+
+
+def where(spec: base.LayerSpec) -> str:
+  """The start of an error message about a layer's statistics."""
+  return (f"curvature_stats for layer {spec.name!r} ({spec.kind.weight} shape "
+          f"{spec.kernel_shape})")
+
+
+class Dense(base.LayerKind):
+  """``nn.Dense`` / ``nnx.Linear``: a rank-2 ``kernel`` ``(d_in, d_out)``, optional ``bias``."""
+
+  name = "dense"
+  stats_type = DenseStats
+  example_axes = {"inputs": 0, "cotangents": 1}
+  linen_modules = (nn.Dense,)
+  nnx_modules = (nnx.Linear,)
+  he_rescaled = True
+
+  def claim(self, path: tuple[str, ...],
+            shapes: Mapping[str, tuple[int, ...]]) -> Optional[base.Claim]:
+    del path
+    kernel = shapes.get("kernel")
+    if kernel is None or len(kernel) != 2:
+      return None
+    has_bias = shapes.get("bias") == (kernel[-1],)
+    return base.Claim(a_dim=kernel[0] + int(has_bias), g_dim=kernel[1])
+
+  def check_stats(self, spec, stats) -> None:
+    super().check_stats(spec, stats)
+    check_cotangents(spec, stats)
+    check_inputs(spec, stats, spec.kernel_shape[0])
+
+  def input_rows(self, spec, stats, dtype, *, sampling=None, key=None) -> base.FactorRows:
+    """``(N T, d_in (+1))`` rows with scale ``1 / N``."""
+    del sampling, key
+    x = stats.inputs
+    rows = x.reshape(-1, x.shape[-1]).astype(dtype)
+    if spec.has_bias:
+      rows = with_ones(rows)
+    return base.FactorRows(rows, jnp.asarray(1.0 / x.shape[0], dtype))

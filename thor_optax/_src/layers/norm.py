@@ -1,0 +1,187 @@
+"""Normalization layers ``y = scale * x_hat + bias``: ``nn.BatchNorm``, ``nn.LayerNorm`` and NNX's.
+
+Their curvature is SP-NGD's unit-wise natural gradient: per channel ``c`` the 2x2 empirical
+Fisher of ``(scale_c, bias_c)``, ``F_c = (1/N) sum_{s,n} [gs, gb]^T [gs, gb]`` from the
+per-example gradients ``gs = sum_t x_hat g``, ``gb = sum_t g``, damped by ``lambda`` and
+inverted in closed form. It is side curvature (:class:`UnitwiseState`), refreshed at every check
+step; nothing lives in the block stacks.
+
+Capture records ``x_hat`` (the input normalized, before scale and bias) instead of the raw
+input (:attr:`Norm.normalized_input`); only scale and bias over the last axis are supported.
+
+References:
+  Osawa et al., "Scalable and Practical Natural Gradient", TPAMI 2020, section "Unit-wise
+  natural gradient".
+  Ioffe & Szegedy, "Batch Normalization", ICML 2015, section 3 (``y = scale * x_hat + bias``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple, Optional
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from thor_optax._src import linalg
+from thor_optax._src.layers import base
+
+_LEAVES = ("scale", "bias")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NormStats:
+  """Per-example gradients of a normalization layer's scale and bias (BatchNorm, LayerNorm).
+
+  For ``y = scale * x_hat + bias`` over channels ``C`` (the last axis), the per-example
+  gradients are ``scale_grads[s, n] = sum_t x_hat[n, t] * g[s, n, t]`` and ``bias_grads[s, n] =
+  sum_t g[s, n, t]``, summed over the positions ``t`` an example covers, with ``g`` the
+  per-example output cotangents (scaled like :class:`DenseStats` cotangents). A layer without a
+  scale (or bias) has zeros there.
+
+  Attributes:
+    scale_grads: ``(S, N, C)``.
+    bias_grads: ``(S, N, C)``.
+  """
+
+  scale_grads: jax.Array
+  bias_grads: jax.Array
+
+
+class UnitwiseState(NamedTuple):
+  """A normalization layer's unit-wise curvature in the optimizer state.
+
+  Attributes:
+    inverse: ``(C, 2, 2)`` damped inverse Fisher per channel (identity before the first check).
+  """
+
+  inverse: jax.Array
+
+
+class StoredUnitwiseState(NamedTuple):
+  """:class:`UnitwiseState` plus the accumulator's stored (running-average) Fisher.
+
+  Attributes:
+    inverse: as :class:`UnitwiseState`.
+    fisher: ``(C, 2, 2)`` stored per-channel Fisher (zeros before the first check).
+  """
+
+  inverse: jax.Array
+  fisher: jax.Array
+
+
+def unitwise_fisher(scale_grads: jax.Array, bias_grads: jax.Array) -> jax.Array:
+  """``(C, 2, 2)`` per-channel empirical Fisher from ``(S, N, C)`` per-example gradients."""
+  g = jnp.stack([scale_grads, bias_grads], axis=-1)  # (S, N, C, 2)
+  return jnp.einsum("snci,sncj->cij", g, g) / g.shape[1]
+
+
+def unitwise_inverse(fisher: jax.Array, damping: jax.Array) -> jax.Array:
+  """Closed-form ``(F_c + damping I)^-1`` of ``(C, 2, 2)`` blocks (non-finite if singular):
+  ``[[a, b], [b, c]]^-1 = [[c, -b], [-b, a]] / (a c - b^2)``."""
+  a = fisher[:, 0, 0] + damping
+  c = fisher[:, 1, 1] + damping
+  b = 0.5 * (fisher[:, 0, 1] + fisher[:, 1, 0])
+  det = a * c - b * b
+  inv = jnp.stack([jnp.stack([c, -b], -1), jnp.stack([-b, a], -1)], -2)
+  return inv / det[:, None, None]
+
+
+def _canonical_axes(axes: Any, ndim: int) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return tuple(sorted({int(a) % ndim for a in axes}))
+
+
+class Norm(base.LayerKind):
+  """``nn.BatchNorm``/``nn.LayerNorm`` (and NNX's): rank-1 ``scale`` and/or ``bias`` only."""
+
+  name = "norm"
+  stats_type = NormStats
+  example_axes = {"scale_grads": 1, "bias_grads": 1}
+  linen_modules = (nn.BatchNorm, nn.LayerNorm)
+  nnx_modules = (nnx.BatchNorm, nnx.LayerNorm)
+  weight = "scale"
+  normalized_input = True
+
+  def plan(self, module, methods, input_shape) -> base.Plan:
+    del methods
+    if not (module.use_scale or module.use_bias):
+      return base.Plan(None)  # no parameters, nothing to precondition
+    ndim = len(input_shape)
+    if ndim < 2:
+      return base.Plan(None, f"normalization input of shape {input_shape} has no batch axis")
+    name = "axis" if hasattr(module, "axis") else "feature_axes"
+    feature_axes = _canonical_axes(getattr(module, name), ndim)
+    if feature_axes != (ndim - 1,):
+      return base.Plan(None, f"{name}={feature_axes} on a rank-{ndim} input: only scale and "
+                       "bias over the last axis are supported")
+    return base.Plan(dict(has_scale=bool(module.use_scale), has_bias=bool(module.use_bias)))
+
+  def make_stats(self, inputs, cotangents, *, has_scale: bool, has_bias: bool) -> NormStats:
+    """Per-example scale and bias gradients from ``x_hat (N, ..., C)``, ``g (S, N, ..., C)``."""
+    dtype = jnp.promote_types(inputs.dtype, cotangents.dtype)
+    g = cotangents.astype(dtype)
+    positions = tuple(range(2, g.ndim - 1))
+    zeros = jnp.zeros(g.shape[:2] + g.shape[-1:], dtype)
+    scale_grads = (inputs.astype(dtype)[None] * g).sum(positions) if has_scale else zeros
+    bias_grads = g.sum(positions) if has_bias else zeros
+    return NormStats(scale_grads=scale_grads, bias_grads=bias_grads)
+
+  def claim(self, path: tuple[str, ...],
+            shapes: Mapping[str, tuple[int, ...]]) -> Optional[base.Claim]:
+    del path
+    if not shapes or not set(shapes) <= set(_LEAVES):
+      return None
+    if any(len(s) != 1 for s in shapes.values()) or len(set(shapes.values())) != 1:
+      return None
+    return base.Claim(a_dim=None, g_dim=None)
+
+  def channels(self, spec: base.LayerSpec) -> int:
+    return next(s for name, s in spec.shapes)[0]
+
+  def check_stats(self, spec, stats) -> None:
+    c = self.channels(spec)
+    where = f"curvature_stats for normalization layer {spec.name!r} ({c} channels)"
+    if not isinstance(stats, NormStats):
+      raise ValueError(f"{where}: got {type(stats).__name__}, expected NormStats.")
+    for name in ("scale_grads", "bias_grads"):
+      shape = getattr(stats, name).shape
+      if len(shape) != 3 or shape[-1] != c:
+        raise ValueError(f"{where}: {name} must have shape (S, N, {c}), got {shape}.")
+    if stats.scale_grads.shape != stats.bias_grads.shape:
+      raise ValueError(f"{where}: scale_grads {stats.scale_grads.shape} and bias_grads "
+                       f"{stats.bias_grads.shape} differ.")
+
+  def side_init(self, spec, dtype, method, accumulator):
+    del method
+    c = self.channels(spec)
+    eye = jnp.broadcast_to(jnp.eye(2, dtype=dtype), (c, 2, 2))
+    if accumulator.stores_factors:
+      return StoredUnitwiseState(eye, jnp.zeros((c, 2, 2), dtype))
+    return UnitwiseState(eye)
+
+  def side_refresh(self, spec, stats, state, factors, damping, method, accumulator):
+    """The damped 2x2 inverses from this check's statistics (kept where not finite)."""
+    del factors, method
+    self.check_stats(spec, stats)
+    dtype = state.inverse.dtype
+    fisher = unitwise_fisher(stats.scale_grads.astype(dtype), stats.bias_grads.astype(dtype))
+    if accumulator.stores_factors:
+      fisher = accumulator.blend(state.fisher, fisher, jnp.all(state.fisher == 0))
+    inv = unitwise_inverse(fisher, damping)
+    ok = (linalg.is_finite_block(inv) & linalg.is_finite_block(fisher))[:, None, None]
+    inverse = jnp.where(ok, inv, state.inverse)
+    if accumulator.stores_factors:
+      return StoredUnitwiseState(inverse, jnp.where(ok, fisher, state.fisher))
+    return UnitwiseState(inverse)
+
+  def side_precondition(self, spec, leaves, state, dtype):
+    c = self.channels(spec)
+    v = jnp.stack([leaves[name].astype(dtype) if name in leaves
+                   else jnp.zeros((c,), dtype) for name in _LEAVES], -1)
+    y = jnp.einsum("cij,cj->ci", state.inverse, v)
+    return {name: y[:, i].astype(leaves[name].dtype)
+            for i, name in enumerate(_LEAVES) if name in leaves}

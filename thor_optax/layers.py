@@ -1,0 +1,37 @@
+"""Layer kinds: what the package knows about each kind of layer, and how to add one.
+
+A kind is a :class:`LayerKind` subclass instance registered with :func:`register_layer_kind`
+(tried before the built-in kinds). The built-in kinds are ``DENSE``, ``CONV``, ``EMBED`` and
+``NORM``; subclass one of their classes to reuse its factors (see the README's "Layer kinds of
+your own").
+"""
+
+from thor_optax._src.layers import register_layer_kind
+from thor_optax._src.layers import registered
+from thor_optax._src.layers import unregister_layer_kind
+from thor_optax._src.layers.base import Claim
+from thor_optax._src.layers.base import FactorRows
+from thor_optax._src.layers.base import LayerKind
+from thor_optax._src.layers.base import LayerSpec
+from thor_optax._src.layers.base import Plan
+from thor_optax._src.layers.conv import Conv
+from thor_optax._src.layers.conv import ConvSampling
+from thor_optax._src.layers.dense import Dense
+from thor_optax._src.layers.embed import Embed
+from thor_optax._src.layers.norm import Norm
+
+__all__ = (
+    "Claim",
+    "Conv",
+    "ConvSampling",
+    "Dense",
+    "Embed",
+    "FactorRows",
+    "LayerKind",
+    "LayerSpec",
+    "Norm",
+    "Plan",
+    "register_layer_kind",
+    "registered",
+    "unregister_layer_kind",
+)
