@@ -161,3 +161,18 @@ def stack_field(state, piece, field):
 def inverse_blocks(state):
   """``{group: (n, b, b)}`` damped inverse blocks of the dense block stacks of a state."""
   return stack_field(state, "inverse", "inverse")
+
+
+def assert_orbax_round_trip(tree, target, directory):
+  """Saves ``tree`` with orbax into ``directory``, restores it into ``target`` (its
+  ``jax.eval_shape``) and asserts the structure, dtypes and every value are the same."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(directory, tree)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(directory, target)
+  assert jax.tree.structure(restored) == jax.tree.structure(tree)
+  for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(restored)[0],
+                               jax.tree.leaves(tree)):
+    assert got.dtype == want.dtype, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 
 import checkpoint_resume as helper
 import thor_optax
+from reference import assert_orbax_round_trip
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_resume.py")
 # The processes import the thor_optax this process imported (a script's sys.path starts at its
@@ -139,12 +139,4 @@ def test_every_state_field_round_trips(tmp_path):
 
   tree = jax.tree.map(randomize, tree)
   target = jax.eval_shape(init, params)
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(tmp_path / "state", tree)
-    checkpointer.wait_until_finished()
-    restored = checkpointer.restore(tmp_path / "state", target)
-  assert jax.tree.structure(restored) == jax.tree.structure(tree)
-  for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(restored)[0],
-                               jax.tree.leaves(tree)):
-    assert got.dtype == want.dtype, jax.tree_util.keystr(path)
-    np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
+  assert_orbax_round_trip(tree, target, tmp_path / "state")
