@@ -62,7 +62,8 @@ def precondition(updates: Any, state: Any, layout: blocks.BlockLayout, cfg: Any,
       a = (factor_operator(state, spec.a, cfg) if spec.a is not None
            else spec.kind.a_operator(spec, side, cfg.method))
       g = factor_operator(state, spec.g, cfg)
-      y = cfg.method.precondition(x, a, g, jnp.asarray(lam, dtype), _ready(state, spec))
+      ready = _ready(state, spec) if cfg.method.waits_for_all_blocks else True
+      y = cfg.method.precondition(x, a, g, jnp.asarray(lam, dtype), ready)
       new = spec.kind.from_matrix(spec, y, leaves)
     new_leaves.update({spec.path + (name,): leaf for name, leaf in new.items()})
 

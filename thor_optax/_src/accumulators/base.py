@@ -10,6 +10,8 @@ factors'`` when factors outlive the check step. Its per-block state lives in the
 
 from __future__ import annotations
 
+import abc
+
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -34,7 +36,7 @@ class Accumulated(NamedTuple):
   state: Any
 
 
-class FactorAccumulator:
+class FactorAccumulator(abc.ABC):
   """Turns a check step's covariances into the factors that are inverted."""
 
   provides: frozenset[str] = frozenset({"covariance"})
@@ -58,11 +60,11 @@ class FactorAccumulator:
     del state, count
     return jnp.asarray(True)
 
+  @abc.abstractmethod
   def accumulate(self, covariance: jax.Array, update: jax.Array, never: jax.Array, state: Any,
                  invert_now: jax.Array) -> Accumulated:
     """The factors to invert from the covariances ``(n, b, b)`` of the blocks in ``update``
     (``never``: blocks never refreshed)."""
-    raise NotImplementedError
 
   def after_inversion(self, state: Any, refreshed: jax.Array) -> Any:
     """Per-block state once the blocks in ``refreshed`` are inverted."""

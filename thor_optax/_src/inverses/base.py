@@ -80,9 +80,12 @@ class InverseMethod:
     provides: what the method provides to other pieces (``'factored damping'``).
     rank: ``m > 0`` for a state in low-rank form with room for ``m`` rows (group key
       ``'b{b}r{m}'``), 0 for ``b x b`` blocks.
+    waits_for_all_blocks: whether a layer is preconditioned only once every block of its
+      factors has been refreshed (``precondition`` then gets ``ready``; else ``True``).
   """
 
   name: str = ""
+  waits_for_all_blocks: bool = False
   requires: frozenset[str] = frozenset({"covariance"})
   provides: frozenset[str] = frozenset({"factored damping"})
   rank: int = 0

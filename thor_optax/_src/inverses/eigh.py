@@ -59,6 +59,7 @@ class Eigh(base.InverseMethod):
 
   name = "eigh"
   provides = frozenset()
+  waits_for_all_blocks = True
 
   def init(self, block, num_blocks, dtype):
     eye = jnp.broadcast_to(jnp.eye(block, dtype=dtype), (num_blocks, block, block))

@@ -27,6 +27,7 @@ References:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, Mapping, NamedTuple, Optional
 
@@ -126,7 +127,7 @@ class Plan(NamedTuple):
   reason: str = ""
 
 
-class LayerKind:
+class LayerKind(abc.ABC):
   """One kind of layer (subclass it, then :func:`thor_optax.register_layer_kind`).
 
   Class attributes:
@@ -174,12 +175,13 @@ class LayerKind:
 
   # ---- parameters ----------------------------------------------------------------------------
 
+  @abc.abstractmethod
   def claim(self, path: tuple[str, ...],
             shapes: Mapping[str, tuple[int, ...]]) -> Optional[Claim]:
     """The factors of the module at ``path`` with leaves ``{name: shape}``, or ``None`` if it
     is not this kind's (a user kind may look at the path: linen names modules after their class,
     ``'Projection_0'``)."""
-    raise NotImplementedError
+    del path, shapes
 
   # ---- Kronecker factors ---------------------------------------------------------------------
 
@@ -193,8 +195,14 @@ class LayerKind:
 
   def input_rows(self, spec: LayerSpec, stats: Any, dtype: jnp.dtype, *, sampling: Any = None,
                  key: Optional[jax.Array] = None) -> FactorRows:
-    """``(rows, scale)`` with ``A = scale rows^T rows`` (kinds with a blocked ``A``)."""
-    raise NotImplementedError
+    """``(rows, scale)`` with ``A = scale rows^T rows`` (kinds with a blocked ``A``; a kind
+    with a diagonal ``A`` returns its ``(d_A,)`` values).
+
+    Raises:
+      NotImplementedError: for a kind whose claims have no ``A`` or ``G`` factor.
+    """
+    raise NotImplementedError(f"layer kind {self.name!r} has no Kronecker factors; its claim "
+                              "must give a_dim=None and g_dim=None")
 
   def cotangent_rows(self, spec: LayerSpec, stats: Any, dtype: jnp.dtype, *,
                      sampling: Any = None, key: Optional[jax.Array] = None) -> FactorRows:

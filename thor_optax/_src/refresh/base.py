@@ -12,6 +12,8 @@ quantity of THOR's trace rule, for the diagnostics.
 
 from __future__ import annotations
 
+import abc
+
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -41,7 +43,7 @@ class Selection(NamedTuple):
   state: Any
 
 
-class RefreshPolicy:
+class RefreshPolicy(abc.ABC):
   """Chooses the blocks a check step recomputes.
 
   Attributes:
@@ -61,10 +63,10 @@ class RefreshPolicy:
     del num_blocks, dtype
     return None
 
+  @abc.abstractmethod
   def select(self, trace_now: jax.Array, trace_ref: jax.Array, state: Any, valid: jax.Array,
              count: jax.Array) -> Selection:
     """The blocks to recompute from the damped traces ``(n,)``; ``valid``: finite statistics."""
-    raise NotImplementedError
 
   def confirm(self, selected: jax.Array, covariance: jax.Array, factor: jax.Array,
               never: jax.Array, state: Any, count: jax.Array) -> tuple[jax.Array, Any]:
