@@ -3,7 +3,7 @@
 Two tables per model (the MLP and the CNN of ``benchmarks/mnist.py``, real MNIST digits, batch
 128, timings are medians over ``--repeats`` calls of jitted functions):
 
-1. **What a curvature check costs when the trace rule refreshes all, some or none of the
+1. **What a check step costs when the trace rule refreshes all, some or none of the
    blocks.** THOR's claim is that skipped factor blocks cost neither a covariance nor an
    inversion. Under ``jax.jit`` that holds only if skipped work is not computed and then
    discarded; thor_optax gathers the blocks due into a buffer of a static budget and runs only
@@ -23,19 +23,33 @@ Two tables per model (the MLP and the CNN of ``benchmarks/mnist.py``, real MNIST
    fraction of factors with ``L < 1%`` and the normalized speed cross (128 on Ascend for
    ResNet-50); this table is that measurement on the machine that runs it.
 
+3. **Training steps and their compile times** (public API only): an optax SGD-momentum step, and
+   THOR's plain and check steps (``thor_optax.thor``, block size ``--block-size``, a check that
+   refreshes every block), each the jitted step of ``benchmarks/mnist.py``; compile time is
+   ``jit(...).lower(...).compile()`` of each step function, median ms of the steps after it.
+   With ``--compare PATH`` (a checkout of another version of the package, e.g. a
+   ``git worktree`` of an older commit) this table is measured for both versions in one run:
+   ``--rounds`` rounds, each running one subprocess per version in alternating order, and the
+   table gives the median over rounds of each figure and the ratio new / old.
+
 Run::
 
     python3 benchmarks/check_step.py
     python3 benchmarks/check_step.py --tasks mlp --block-size 64 --block-sizes 32 64 128 --repeats 50
+    git worktree add /tmp/before <commit>
+    python3 benchmarks/check_step.py --tables steps --compare /tmp/before --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import subprocess
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +60,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mnist  # noqa: E402  (the benchmark's models, data and loss)
 import thor_optax  # noqa: E402
-from thor_optax._src import blocks  # noqa: E402
-from thor_optax._src import factors  # noqa: E402
 from thor_optax.flax import value_and_grad_with_stats  # noqa: E402
 
 DAMPING = 0.03
@@ -64,7 +76,7 @@ def median_ms(fn, repeats: int) -> float:
   return 1e3 * float(np.median(times))
 
 
-def jump_blocks(stats: thor_optax.CurvatureStats, layout: blocks.BlockLayout,
+def jump_blocks(stats: thor_optax.CurvatureStats, layout: Any,
                 fraction: float) -> thor_optax.CurvatureStats:
   """Doubles the columns behind the first ``ceil(fraction * n)`` blocks of every factor.
 
@@ -81,7 +93,7 @@ def jump_blocks(stats: thor_optax.CurvatureStats, layout: blocks.BlockLayout,
       channels = min(x.shape[-1], math.ceil(n * slot.block / columns_per_channel))
       return x.at[..., :channels].multiply(2.0) if n else x
 
-    per_channel = 1 if spec.kind == "dense" else spec.kernel_shape[0] * spec.kernel_shape[1]
+    per_channel = 1 if spec.kind.name == "dense" else spec.kernel_shape[0] * spec.kernel_shape[1]
     fields = dict(vars(layer))
     fields["inputs"] = scale_first(layer.inputs, spec.a, per_channel)
     fields["cotangents"] = scale_first(layer.cotangents, spec.g, 1)
@@ -91,12 +103,13 @@ def jump_blocks(stats: thor_optax.CurvatureStats, layout: blocks.BlockLayout,
 
 def information_loss(stats: thor_optax.CurvatureStats, params, block_size: int) -> np.ndarray:
   """THOR's spectral information loss of every damped factor split with ``block_size``."""
+  from thor_optax._src import blocks  # pylint: disable=import-outside-toplevel
   layout = blocks.build_layout(params, None)
   losses = []
   for spec in layout.layers:
     layer = stats.layers[spec.name]
-    for rows, scale in (factors.input_rows(spec, layer, jnp.float32),
-                        factors.cotangent_rows(spec, layer, jnp.float32)):
+    for rows, scale in (spec.kind.input_rows(spec, layer, jnp.float32),
+                        spec.kind.cotangent_rows(spec, layer, jnp.float32)):
       full = np.asarray(scale * rows.T @ rows, np.float64)
       full += np.sqrt(DAMPING) * np.eye(len(full))
       mask = np.zeros_like(full)
@@ -131,9 +144,56 @@ class Setup:
     variables = {"params": self.params}
     return median_ms(lambda: step(variables, state, self.x, self.y), self.repeats)
 
+  def compile_and_run(self, tx, with_stats: bool) -> tuple[float, float]:
+    """``(compile seconds, median ms)`` of a training step of ``benchmarks/mnist.py``."""
+    check_step, plain_step = mnist.make_steps(self.model, tx)
+    step = check_step if with_stats else plain_step
+    args = ({"params": self.params}, tx.init(self.params), self.x, self.y)
+    t0 = time.perf_counter()
+    compiled = step.lower(*args).compile()
+    seconds = time.perf_counter() - t0
+    return seconds, median_ms(lambda: compiled(*args), self.repeats)
+
+
+def steps_table(setup: Setup, block_size: int) -> dict[str, float]:
+  """Table 3: SGD, THOR plain and THOR check steps (every block refreshed), ms and compile s."""
+  out = {}
+  for name, tx, with_stats in (
+      ("sgd", optax.sgd(0.05, momentum=0.9), False),
+      ("thor plain", thor_optax.thor(0.05, DAMPING, block_size=block_size), False),
+      ("thor check", thor_optax.thor(0.05, DAMPING, block_size=block_size,
+                                     trace_thresholds=(0.0, 0.0)), True)):
+    out[f"{name} compile s"], out[f"{name} ms"] = setup.compile_and_run(tx, with_stats)
+  return out
+
+
+def compare(args) -> None:
+  """Table 3 for this checkout and ``args.compare``, interleaved subprocesses, in one run."""
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  versions = {"new": here, "old": os.path.abspath(args.compare)}
+  runs = {name: [] for name in versions}
+  for r in range(args.rounds):
+    for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+      env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+          [versions[name]] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+      cmd = [sys.executable, os.path.abspath(__file__), "--tables", "steps", "--json",
+             "--tasks", *args.tasks, "--block-size", str(args.block_size),
+             "--batch-size", str(args.batch_size), "--repeats", str(args.repeats)]
+      out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+      runs[name].append(json.loads(out.strip().splitlines()[-1]))
+  print(f"training steps, new ({versions['new']}) vs old ({versions['old']}): median of "
+        f"{args.rounds} rounds, alternating order")
+  for task in args.tasks:
+    print(f"\n[{task}] {'':22s} {'old':>10s} {'new':>10s} {'new / old':>10s}")
+    for key in runs["new"][0][task]:
+      old = float(np.median([run[task][key] for run in runs["old"]]))
+      new = float(np.median([run[task][key] for run in runs["new"]]))
+      print(f"{key:31s} {old:10.2f} {new:10.2f} {new / old:10.2f}")
+
 
 def refresh_table(setup: Setup, block_size: int) -> list[tuple[str, float, str]]:
   """Rows ``(what, ms, blocks refreshed)`` of table 1."""
+  from thor_optax._src import blocks  # pylint: disable=import-outside-toplevel
   params, grads = setup.params, setup.grads
   layout = blocks.build_layout(params, block_size)
   tx = thor_optax.scale_by_thor(DAMPING, block_size=block_size, trace_thresholds=(0.01, 0.0))
@@ -175,21 +235,49 @@ def main(argv=None) -> None:
                       help="candidates of table 2")
   parser.add_argument("--batch-size", type=int, default=128)
   parser.add_argument("--repeats", type=int, default=30)
+  parser.add_argument("--tables", nargs="+", default=["refresh", "split", "steps"],
+                      choices=("refresh", "split", "steps"))
+  parser.add_argument("--compare", default=None, metavar="PATH",
+                      help="another checkout of the package: table 3 for both, in one run")
+  parser.add_argument("--rounds", type=int, default=3, help="rounds of --compare")
+  parser.add_argument("--json", action="store_true",
+                      help="print table 3 as one JSON line (used by --compare)")
   args = parser.parse_args(argv)
+  if args.compare:
+    compare(args)
+    return
+  if args.json:
+    print(json.dumps({task: steps_table(Setup(task, args.batch_size, args.repeats),
+                                        args.block_size) for task in args.tasks}))
+    return
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} CPU cores")
   for task in args.tasks:
     setup = Setup(task, args.batch_size, args.repeats)
-    print(f"\n[{task}] 1. cost of a curvature check by blocks refreshed "
-          f"(block size {args.block_size}, batch {args.batch_size})")
-    print(f"{'':44s} {'ms':>8s} {'x SGD step':>11s} {'blocks refreshed':>17s}")
-    for what, ms, refreshed in refresh_table(setup, args.block_size):
-      print(f"{what:44s} {ms:8.2f} {ms / setup.sgd_ms:11.2f} {refreshed:>17s}")
-    print(f"\n[{task}] 2. hardware-driven split: information loss vs step cost "
-          f"(SGD step {setup.sgd_ms:.2f} ms)")
-    print(f"{'block':>6s} {'median L':>10s} {'L < 1%':>8s} {'plain step':>11s} "
-          f"{'check step':>11s}   (steps as multiples of an SGD step)")
-    for b, med, share, plain, check in block_size_table(setup, args.block_sizes):
-      print(f"{b:6d} {med:10.4f} {share:8.0%} {plain:11.2f} {check:11.2f}")
+    if "steps" in args.tables:
+      print(f"\n[{task}] 3. training steps (block size {args.block_size}): ms and compile s")
+      for key, value in steps_table(setup, args.block_size).items():
+        print(f"{key:24s} {value:10.2f}")
+    if "refresh" in args.tables:
+      print_refresh_table(setup, task, args.block_size, args.batch_size)
+    if "split" in args.tables:
+      print_split_table(setup, task, args.block_sizes)
+
+
+def print_refresh_table(setup: Setup, task: str, block_size: int, batch_size: int) -> None:
+  print(f"\n[{task}] 1. cost of a check step by blocks refreshed "
+        f"(block size {block_size}, batch {batch_size})")
+  print(f"{'':44s} {'ms':>8s} {'x SGD step':>11s} {'blocks refreshed':>17s}")
+  for what, ms, refreshed in refresh_table(setup, block_size):
+    print(f"{what:44s} {ms:8.2f} {ms / setup.sgd_ms:11.2f} {refreshed:>17s}")
+
+
+def print_split_table(setup: Setup, task: str, block_sizes: list[int]) -> None:
+  print(f"\n[{task}] 2. hardware-driven split: information loss vs step cost "
+        f"(SGD step {setup.sgd_ms:.2f} ms)")
+  print(f"{'block':>6s} {'median L':>10s} {'L < 1%':>8s} {'plain step':>11s} "
+        f"{'check step':>11s}   (steps as multiples of an SGD step)")
+  for b, med, share, plain, check in block_size_table(setup, block_sizes):
+    print(f"{b:6d} {med:10.4f} {share:8.0%} {plain:11.2f} {check:11.2f}")
 
 
 if __name__ == "__main__":
