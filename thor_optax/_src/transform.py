@@ -73,7 +73,6 @@ from thor_optax._src.refresh import trace_rule
 
 ScalarOrSchedule = Union[float, optax.Schedule]
 Period = running_average.Period
-INVERSE_METHODS = tuple(inverses.METHODS)
 LayerDiagnostics = check_lib.LayerDiagnostics
 BlockRecord = check_lib.BlockRecord
 
