@@ -100,9 +100,8 @@ def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam
   for group in layout.groups:
     new_blocks[group], refreshed[group], ratio[group] = refresh_stack(
         group, state.blocks[group], inputs[group], layout, cfg, invert_now, state.count)
-  side = {spec.name: spec.kind.side_refresh(spec, flat[spec.name], state.layers[spec.name],
-                                            factors.get(spec.name), lam,
-                                            cfg.method, cfg.accumulator)
+  side = {spec.name: side_refresh(spec, flat[spec.name], state.layers[spec.name],
+                                  factors.get(spec.name), lam, cfg)
           for spec in layout.layers if spec.name in state.layers and spec.name in flat}
   diagnostics = {**state.diagnostics, **{
       spec.name: layer_diagnostics(spec, state.diagnostics[spec.name], new_blocks, refreshed,
@@ -121,9 +120,24 @@ def state_dtype(state: Any) -> jnp.dtype:
   return floats[0].dtype if floats else jnp.float32
 
 
+def side_refresh(spec: layer_base.LayerSpec, stats: Any, state: Any, factors: Any,
+                 lam: jax.Array, cfg: Any) -> Any:
+  """A layer's side curvature after a check step (per layer of a stack, under ``vmap``)."""
+  one = spec.one_layer()
+
+  def refresh(stats, state, factors):
+    return spec.kind.side_refresh(one, stats, state, factors, lam, cfg.method, cfg.accumulator)
+
+  return jax.vmap(refresh)(stats, state, factors) if spec.stack else refresh(stats, state, factors)
+
+
 def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg: Any,
                   key: Any, sqrt_damping: jax.Array) -> layer_base.LayerFactors:
-  """A Kronecker-factored layer's factor rows (or diagonal ``A``), damping and validity."""
+  """A Kronecker-factored layer's factor rows (or diagonal ``A``), damping and validity; for a
+  stack of layers, every field has the stack (flattened) on a leading axis."""
+  if spec.stack:
+    one = spec.one_layer()
+    return jax.vmap(lambda s: layer_factors(one, s, dtype, cfg, key, sqrt_damping))(stats)
   spec.kind.check_stats(spec, stats)
   kw = dict(sampling=cfg.sampling, key=key)
   g = spec.kind.cotangent_rows(spec, stats, dtype, **kw)
@@ -144,8 +158,15 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
 
 def _real_counts(slot: blocks.FactorSlot) -> np.ndarray:
   """``(num_blocks,)`` number of true (unpadded) dimensions per block."""
-  starts = np.arange(slot.num_blocks) * slot.block
-  return np.clip(slot.dim - starts, 0, slot.block).astype(np.float32)
+  starts = np.arange(slot.blocks_per_copy) * slot.block
+  return np.tile(np.clip(slot.dim - starts, 0, slot.block).astype(np.float32), slot.copies)
+
+
+def _per_block(value: jax.Array, slot: blocks.FactorSlot) -> jax.Array:
+  """A layer's scalar, or a stack's ``(C,)`` / ``(C, blocks_per_copy)`` values, per block."""
+  if jnp.ndim(value) == 1 and slot.copies > 1 and value.shape[0] == slot.copies:
+    return jnp.repeat(value, slot.blocks_per_copy)
+  return value.reshape(-1) if jnp.ndim(value) > 1 else value
 
 
 def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactors],
@@ -162,11 +183,12 @@ def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactor
     for slot, r, tr, d in ((spec.a, f.a, f.a_traces, f.d_a), (spec.g, f.g, f.g_traces, f.d_g)):
       if slot is None:
         continue
-      damped = jnp.where(f.finite, tr + d * jnp.asarray(_real_counts(slot), dtype), 0.0)
+      tr, d, finite = (_per_block(v, slot) for v in (tr, d, f.finite))
+      damped = jnp.where(finite, tr + d * jnp.asarray(_real_counts(slot), dtype), 0.0)
       g, span = slot.group, slice(slot.start, slot.stop)
       trace[g] = trace[g].at[span].set(damped)
       damping[g] = damping[g].at[span].set(d)
-      valid[g] = valid[g].at[span].set(f.finite)
+      valid[g] = valid[g].at[span].set(finite)
       rows[g][slot] = r
   slots = {g: tuple(sorted((s for spec in layout.layers for s in spec.slots if s.group == g),
                           key=lambda s: s.start)) for g in layout.groups}
@@ -183,7 +205,7 @@ def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.B
   choice = cfg.policy.select(inputs.trace, record.trace_ref, stack.get("policy"), inputs.valid,
                              count)
   from_rows = {slot: r for slot, r in inputs.rows.items()
-               if method.from_rows(slot, r.rows.shape[0], "rows" in cfg.accumulator.provides)}
+               if method.from_rows(slot, r.rows.shape[-2], "rows" in cfg.accumulator.provides)}
   row_mask = np.zeros((n,), bool)
   for slot in from_rows:
     row_mask[slot.start:slot.stop] = True
@@ -277,9 +299,13 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
   Statistics of modules that ``optax.masked`` / ``optax.partition`` hid from this transform
   (``masked``) are dropped: the whole model's statistics may be passed to every member.
 
+  Statistics of a stack of layers (``nn.scan``) come with the stack axes first; they are
+  flattened to one leading axis, ``(copies, ...)``.
+
   Raises:
-    ValueError: if the statistics hold no layer at all while the gradients have layers, or name
-      a layer that no registered kind claimed in the gradients.
+    ValueError: if the statistics hold no layer at all while the gradients have layers (unless
+      the capture listed why it could take none: then a warning, and no layer is refreshed),
+      name a layer that no registered kind claimed in the gradients, or lack a stack's axes.
   Warns:
     UserWarning: naming each layer of the gradients without statistics (with the capture's
       reason, e.g. a shared layer) and each captured-but-unsupported module; their gradients
@@ -289,6 +315,12 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
   flat = stats_lib.flatten_layer_stats(curvature_stats)
   reasons = dict(note.split(": ", 1) for note in getattr(curvature_stats, "unhandled", ())
                  if ": " in note)
+  if not flat and by_name and reasons:  # a capture that could precondition none of the layers
+    warnings.warn(
+        "curvature_stats: the capture preconditions none of the model's layers, so this "
+        "optimizer is its base one (the gradients pass through the curvature unchanged): "
+        + "; ".join(f"{name}: {why}" for name, why in sorted(reasons.items())), stacklevel=5)
+    return {}
   if not flat and by_name:
     raise ValueError(
         f"curvature_stats holds no layer statistics, but the gradients have layers "
@@ -305,6 +337,8 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
         f"(layers and their kinds: {kinds}). Were they captured from a different model? Capture "
         "them from the model whose gradients you pass (inside optax.masked / optax.partition, "
         "layers of the other partitions are ignored).")
+  flat = {name: (layout.layer(name).flat_stack(layer) if layout.layer(name).stack else layer)
+          for name, layer in flat.items()}
   silent = {name: why for name, why in reasons.items()
             if name not in by_name and name not in masked}
   missing = {name: reasons.get(name, "no statistics were passed for it")

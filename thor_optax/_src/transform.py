@@ -190,7 +190,8 @@ def init_state(layout: blocks.BlockLayout, dtype: jnp.dtype, cfg: Curvature) -> 
              "record": BlockRecord(jnp.zeros((n,), dtype), jnp.zeros((n,), jnp.int32))}
     pieces = {"policy": cfg.policy.init(n, dtype), "accumulator": cfg.accumulator.init(b, n, dtype)}
     stacks[group] = {**stack, **{k: v for k, v in pieces.items() if v is not None}}
-  side = {spec.name: spec.kind.side_init(spec, dtype, cfg.method, cfg.accumulator)
+  side = {spec.name: _stacked(spec.kind.side_init(spec.one_layer(), dtype, cfg.method,
+                                                  cfg.accumulator), spec.copies, spec.stack)
           for spec in layout.layers}
   diagnostics = {
       spec.name: LayerDiagnostics(
@@ -202,6 +203,14 @@ def init_state(layout: blocks.BlockLayout, dtype: jnp.dtype, cfg: Curvature) -> 
   return KroneckerState(count=jnp.zeros((), jnp.int32), blocks=stacks,
                         layers={k: v for k, v in side.items() if v is not None},
                         accumulator=cfg.accumulator.init_global(), diagnostics=diagnostics)
+
+
+def _stacked(tree: Any, copies: int, stack: tuple[int, ...]) -> Any:
+  """One layer's state repeated for every layer of a stack, ``(copies, ...)`` (as is for a
+  single layer)."""
+  if not stack:
+    return tree
+  return jax.tree.map(lambda x: jnp.repeat(x[None], copies, axis=0), tree)
 
 
 def _check_state_matches(layout: blocks.BlockLayout, state: KroneckerState,
@@ -240,7 +249,7 @@ def _masked_modules(updates: Any) -> frozenset[str]:
   """Module paths (``'Block_0/Dense_1'``) with a leaf that ``optax.masked`` replaced."""
   flat, _ = jax.tree_util.tree_flatten_with_path(
       updates, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-  return frozenset("/".join(stats_lib.path_keys(path[:-1])) for path, leaf in flat
+  return frozenset(stats_lib.layer_name(stats_lib.path_keys(path[:-1])) for path, leaf in flat
                    if isinstance(leaf, optax.MaskedNode))
 
 

@@ -161,4 +161,6 @@ def factor_roots(rows: Any, slot: blocks.FactorSlot, idx: jax.Array) -> jax.Arra
   """``U (K, b, R)`` of the blocks ``idx``: block ``k`` of ``scale rows^T rows`` is
   ``U_k U_k^T`` (SKFAC's low-rank form)."""
   x = jnp.take(blocks.blocked_rows(rows.rows, slot), idx, axis=1)  # (R, K, b)
-  return jnp.sqrt(rows.scale) * jnp.transpose(x, (1, 2, 0))
+  scale = blocks.block_scale(rows.scale, slot)
+  scale = scale if jnp.ndim(scale) == 0 else jnp.take(scale, idx)[:, None, None]
+  return jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0))
