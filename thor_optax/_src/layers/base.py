@@ -16,7 +16,8 @@ and weight rescaling need about one kind of layer (Flax ``Dense``, ``Conv``, ``E
   factors act on and back (:meth:`to_matrix`, :meth:`from_matrix`), the example axes of its
   statistics (:attr:`example_axes`, for ``concatenate_stats``), and any side curvature it keeps
   outside the block stacks (an embedding's diagonal ``A``, a normalization layer's unit-wise
-  2x2 Fisher: :meth:`side_init`, :meth:`side_refresh`, :meth:`side_precondition`).
+  2x2 Fisher: :meth:`side_init`, :meth:`side_statistics`, :meth:`side_refresh`,
+  :meth:`side_precondition`).
 
 Kinds hold no arrays and no mutable state: they are static descriptions, compared by identity.
 
@@ -296,10 +297,23 @@ class LayerKind(abc.ABC):
     del spec, dtype, method, accumulator
     return None
 
+  def side_statistics(self, spec: LayerSpec, stats: Any, dtype: jnp.dtype) -> Optional[Any]:
+    """What the side curvature of a kind without block factors is built from, or ``None``.
+
+    A pytree of arrays that are averages over the batch's examples (a normalization layer's
+    ``(C, 2, 2)`` Fisher), in ``dtype``. The check step averages it across replicas under
+    ``axis_name`` (``jax.lax.pmean``, exact for equal shards: data parallelism) and passes it to
+    :meth:`side_refresh` as ``factors``. Default: ``None`` (the kind refreshes from ``stats``
+    alone, which under ``axis_name`` are this replica's).
+    """
+    del spec, stats, dtype
+    return None
+
   def side_refresh(self, spec: LayerSpec, stats: Any, state: Any, factors: Any,
                    damping: jax.Array, method: Any, accumulator: Any) -> Any:
     """The side curvature after a check step with ``stats`` (``factors``: the layer's
-    :class:`LayerFactors`; ``damping``: ``lambda``)."""
+    :class:`LayerFactors` for a kind with block factors, else its :meth:`side_statistics`
+    averaged across replicas; ``damping``: ``lambda``)."""
     del spec, stats, factors, damping, method, accumulator
     return state
 
