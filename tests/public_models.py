@@ -194,7 +194,7 @@ class ScannedMlpStack(nn.Module):
 def scanned_from_unrolled(params: dict, num_layers: int) -> dict:
   """The parameters of :class:`ScannedMlpStack` holding those of :class:`UnrolledMlpStack`."""
   layers = [{"ln": params[f"ln_{i}"], "mlp": params[f"mlp_{i}"]} for i in range(num_layers)]
-  return {"layers": jax.tree.map(lambda *v: jnp.stack(v), *layers), "head": params["head"]}
+  return {"layers": jax.tree.map(lambda *v: np.stack(v), *layers), "head": params["head"]}
 
 
 # ------------------------------------------------------------------------ (3) LSTM classifier
@@ -530,8 +530,9 @@ def init_case(case: Case, seed: int = 0) -> tuple[Any, dict, tuple]:
   x, y = case.make_batch()
   # Compiled once with FAST_COMPILE: the random initializers compile about 15x faster so (from
   # seconds for the ResNet), and run once.
-  init = jax.jit(case.model.init, compiler_options=FAST_COMPILE)
-  variables = init(jax.random.PRNGKey(seed), x)
+  init = jax.jit(lambda x: case.model.init(jax.random.PRNGKey(seed), x),
+                 compiler_options=FAST_COMPILE)
+  variables = init(x)
   state = {k: v for k, v in variables.items() if k != "params"}
   return variables["params"], state, (x, y)
 

@@ -56,14 +56,19 @@ def x64():
 
 def to_f64(tree):
   """Every floating leaf of ``tree`` as float64."""
-  return jax.tree.map(
-      lambda v: v.astype(jnp.float64) if jnp.issubdtype(v.dtype, jnp.floating) else v, tree)
+  return jax.tree.map(  # in NumPy: no compilation
+      lambda v: np.asarray(v, np.float64) if jnp.issubdtype(v.dtype, jnp.floating) else v, tree)
 
 
 def init_params(model, x):
   """The model's initial parameters (initialization compiled once, as in ``pm.init_case``)."""
-  init = jax.jit(model.init, compiler_options=FAST_COMPILE)
-  return init(jax.random.PRNGKey(0), x)["params"]
+  init = jax.jit(lambda x: model.init(jax.random.PRNGKey(0), x), compiler_options=FAST_COMPILE)
+  return init(x)["params"]
+
+
+def abstract_params(model, x):
+  """Shapes and dtypes of the model's parameters (traced, not compiled)."""
+  return jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x), x)["params"]
 
 
 def kronecker_state(opt_state):
@@ -135,7 +140,7 @@ def test_public_model_trains_and_preconditions_expected_layers(name):
   for layer, words in case.unhandled.items():
     assert words in reasons[layer], (layer, reasons[layer])
   # Every module with parameters is either preconditioned or listed with a reason.
-  params = jax.eval_shape(case.model.init, jax.random.PRNGKey(0), case.make_batch()[0])["params"]
+  params = abstract_params(case.model, case.make_batch()[0])
   assert module_names(params) == case.preconditioned | set(case.unhandled)
   # One warning per compilation of the check step, naming every unhandled layer.
   if case.unhandled:
@@ -191,7 +196,8 @@ def test_pytree_outputs_reach_the_loss_as_returned():
 @pytest.mark.parametrize("name", PYTREE_MODELS + ("regression",))
 def test_outputs_without_loss_terms_in_their_shape_need_num_loss_terms(name):
   case = pm.LINEN_MODELS[name]
-  params, _, (x, y) = pm.init_case(case)
+  x, y = case.make_batch()
+  params = abstract_params(case.model, x)
   capture = value_and_grad_with_stats(case.model, case.loss_fn)  # no num_loss_terms
   with pytest.raises(ValueError, match="num_loss_terms"):
     jax.eval_shape(capture, params, x, y)
@@ -271,7 +277,7 @@ def test_scanned_stack_equals_unrolled_stack(x64):
   params_u = to_f64(init_params(unrolled, x))
   params_s = pm.scanned_from_unrolled(params_u, num_layers)
   assert (jax.tree.structure(params_s)
-          == jax.tree.structure(jax.eval_shape(scanned.init, jax.random.PRNGKey(0), x)["params"]))
+          == jax.tree.structure(abstract_params(scanned, x)))
   lr = 0.1
   tx = thor_optax.thor(lr, 0.03, block_size=8)
   stats_u, _, u1_u, u2_u, _ = _check_then_plain(unrolled, pm.softmax_ce, tx, x, y)(params_u)
@@ -284,7 +290,8 @@ def test_scanned_stack_equals_unrolled_stack(x64):
   stack = {"layers/ln", "layers/mlp/Dense_0", "layers/mlp/Dense_1"}
   assert preconditioned_layers(kronecker_state(st_s)) == stack | {"head"}
   # The stack was preconditioned: its first update is not the SGD one (-lr * grad).
-  diff = jax.tree.map(lambda u, g: float(jnp.abs(u + lr * g).max()), u1_s["layers"],
+  diff = jax.tree.map(lambda u, g: float(np.abs(np.asarray(u) + lr * np.asarray(g)).max()),
+                      u1_s["layers"],
                       grads_s["layers"])
   assert min(jax.tree.leaves(diff)) > 1e-3, diff
 
