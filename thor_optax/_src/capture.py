@@ -85,7 +85,7 @@ def _set_nested(tree: dict, path: tuple[Any, ...], value: Any) -> None:
 
 def _module_paths(params: Any) -> set[tuple[str, ...]]:
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
-  return {stats_lib.path_keys(path[:-1]) for path, _ in flat}
+  return {stats_lib.path_keys(path)[:-1] for path, _ in flat}
 
 
 def output_cotangents(outputs: jax.Array, dloss: jax.Array, n_examples: int, fisher_type: str,

@@ -240,7 +240,7 @@ def _masked_modules(updates: Any) -> frozenset[str]:
   """Module paths (``'Block_0/Dense_1'``) with a leaf that ``optax.masked`` replaced."""
   flat, _ = jax.tree_util.tree_flatten_with_path(
       updates, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-  return frozenset("/".join(stats_lib.path_keys(path[:-1])) for path, leaf in flat
+  return frozenset("/".join(stats_lib.path_keys(path)[:-1]) for path, leaf in flat
                    if isinstance(leaf, optax.MaskedNode))
 
 
