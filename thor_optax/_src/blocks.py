@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from thor_optax._src import explicit
 from thor_optax._src import stats as stats_lib
 
 
@@ -233,7 +234,10 @@ def block_covariances(rows: jax.Array, scale: jax.Array | float, slot: FactorSlo
     ``(K, b, b)``; padded rows/columns are zero.
   """
   x = jnp.take(blocked_rows(rows, slot), idx, axis=1)
-  return scale * jnp.einsum("rkb,rkc->kbc", x, x)
+  # Under an explicit-sharding mesh the examples axis ``R`` may be sharded: the contraction
+  # over it gives replicated blocks (the compiler's all-reduce).
+  return scale * jnp.einsum("rkb,rkc->kbc", x, x,
+                            out_sharding=explicit.contraction_sharding(x))
 
 
 def left_multiply(blocks: jax.Array, x: jax.Array) -> jax.Array:
