@@ -51,6 +51,7 @@ def thor(
     pi_damping: bool = False,
     inverse_method: str = "cholesky",
     block_sharding: Optional[Any] = None,
+    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """THOR: :func:`scale_by_thor`, then weight decay, then momentum SGD.
 
@@ -66,6 +67,8 @@ def thor(
       :func:`scale_by_thor`. Under
       ``optax.inject_hyperparams`` list ``block_size`` in ``static_args``: it fixes shapes.
     block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
+    axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
+      curvature statistics across replicas; see :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` to ``update`` on
@@ -77,7 +80,8 @@ def thor(
   return optax.chain(
       transform.scale_by_thor(damping, block_size=block_size, trace_thresholds=trace_thresholds,
                               ema_decay=ema_decay, pi_damping=pi_damping,
-                              inverse_method=inverse_method, block_sharding=block_sharding),
+                              inverse_method=inverse_method, block_sharding=block_sharding,
+                              axis_name=axis_name),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -95,6 +99,7 @@ def kfac(
     inverse_method: str = "cholesky",
     inverse_period: transform.Period = 1,
     block_sharding: Optional[Any] = None,
+    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC: :func:`scale_by_kfac`, then weight decay, then momentum SGD.
 
@@ -105,6 +110,8 @@ def kfac(
     ema_decay, block_size, pi_damping, inverse_method, inverse_period: see
       :func:`scale_by_kfac` (``kfac(..., inverse_method='eigh')`` is KAISA without KL clip).
     block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
+    axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
+      curvature statistics across replicas; see :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -115,7 +122,8 @@ def kfac(
   return optax.chain(
       transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
                               pi_damping=pi_damping, inverse_method=inverse_method,
-                              inverse_period=inverse_period, block_sharding=block_sharding),
+                              inverse_period=inverse_period, block_sharding=block_sharding,
+                              axis_name=axis_name),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -134,6 +142,7 @@ def skfac(
     block_size: Optional[int] = None,
     woodbury_rows: Optional[int] = None,
     block_sharding: Optional[Any] = None,
+    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """SKFAC: current-batch factors inverted by Woodbury where they are low-rank, then momentum SGD.
 
@@ -149,10 +158,13 @@ def skfac(
     momentum, nesterov, weight_decay, weight_decay_mask: as :func:`thor`.
     inverse_method: ``'auto'`` or ``'woodbury'`` (every factor by Woodbury).
     conv_statistics, spatial_samples, subsample_key, block_size: see :func:`scale_by_thor`.
-    woodbury_rows: the batch size (rows behind a factor), to keep the low-rank factors in
-      Woodbury form in the state: less memory than dense inverses, and cheaper steps (see
-      :func:`scale_by_thor`); ``None`` stores dense inverses.
+    woodbury_rows: the batch size (rows behind a factor; with ``axis_name``, the batch of all
+      replicas together), to keep the low-rank factors in Woodbury form in the state: less
+      memory than dense inverses, and cheaper steps (see :func:`scale_by_thor`); ``None``
+      stores dense inverses.
     block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
+    axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
+      curvature statistics across replicas; see :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` on check steps.
@@ -164,7 +176,8 @@ def skfac(
       transform.scale_by_kfac(damping, ema_decay=None, block_size=block_size,
                               inverse_method=inverse_method, conv_statistics=conv_statistics,
                               spatial_samples=spatial_samples, subsample_key=subsample_key,
-                              woodbury_rows=woodbury_rows, block_sharding=block_sharding),
+                              woodbury_rows=woodbury_rows, block_sharding=block_sharding,
+                              axis_name=axis_name),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -181,6 +194,7 @@ def kaisa(
     max_kl: Optional[float] = 0.001,
     block_size: Optional[int] = None,
     block_sharding: Optional[Any] = None,
+    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """KAISA: running-average factors, eigendecompositions every ``inverse_period`` steps, KL clip.
 
@@ -198,6 +212,8 @@ def kaisa(
     max_kl: KL-clip bound ``kappa``, or ``None`` for no clipping.
     block_size: ``None`` (whole factors) or THOR's split size.
     block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
+    axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
+      curvature statistics across replicas; see :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -207,7 +223,7 @@ def kaisa(
   """
   pre = transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
                                 inverse_method="eigh", inverse_period=inverse_period,
-                                block_sharding=block_sharding)
+                                block_sharding=block_sharding, axis_name=axis_name)
   if max_kl is not None:
     pre = kl_clip.scale_by_kl_clip(pre, learning_rate, max_kl)
   return optax.chain(
@@ -227,6 +243,7 @@ def spngd(
     rescale_weights: bool = True,
     block_size: Optional[int] = None,
     block_sharding: Optional[Any] = None,
+    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """SP-NGD: pi-damped K-FAC with adaptive refresh, unit-wise normalization layers, rescaling.
 
@@ -248,6 +265,8 @@ def spngd(
     rescale_weights: cap kernel norms at ``sqrt(2 d_out)`` after each step.
     block_size: ``None`` or THOR's split size.
     block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
+    axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
+      curvature statistics across replicas; see :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -262,7 +281,7 @@ def spngd(
       transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
                               pi_damping=True, adaptive_refresh=adaptive_refresh,
                               max_refresh_interval=max_refresh_interval,
-                              block_sharding=block_sharding),
+                              block_sharding=block_sharding, axis_name=axis_name),
       *tail)
 
 

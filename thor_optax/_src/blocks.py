@@ -38,9 +38,12 @@ class FactorSlot:
     dim: the factor's true dimension ``d``.
     block: block size ``b`` of its group (``b >= d`` if the factor is a single block).
     start: index of its first block in the group stack.
-    num_blocks: number of blocks, ``ceil(d / b)``.
+    num_blocks: number of blocks, ``copies * ceil(d / b)``.
     rank: ``m > 0`` if the factor's damped inverse is kept in low-rank (Woodbury) form with room
       for ``m`` rows (see :func:`build_layout`), 0 for dense ``b x b`` inverse blocks.
+    copies: ``C``, the layers of a stack that each have this factor (a stack of ``C`` layers
+      scanned by ``nn.scan``, parameters with ``C`` on a leading axis); their blocks follow
+      one another, ``ceil(d / b)`` per layer, and their rows come as ``(C, R, d)``.
   """
 
   dim: int
@@ -48,18 +51,28 @@ class FactorSlot:
   start: int
   num_blocks: int
   rank: int = 0
+  copies: int = 1
 
   @property
   def group(self) -> str:
     return group_key(self.block, self.rank)
 
   @property
+  def blocks_per_copy(self) -> int:
+    return self.num_blocks // self.copies
+
+  @property
   def padded_dim(self) -> int:
-    return self.block * self.num_blocks
+    """The dimension of one copy's factor padded to whole blocks."""
+    return self.block * self.blocks_per_copy
 
   @property
   def stop(self) -> int:
     return self.start + self.num_blocks
+
+  def one_copy(self) -> "FactorSlot":
+    """The slot of one layer of the stack (its blocks only; ``start`` is the first copy's)."""
+    return dataclasses.replace(self, num_blocks=self.blocks_per_copy, copies=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +101,8 @@ class BlockLayout:
           continue
         flat = np.zeros(slot.padded_dim, np.float32)
         flat[:slot.dim] = 1.0
-        real[slot.start:slot.stop] = flat.reshape(slot.num_blocks, b)
+        real[slot.start:slot.stop] = np.tile(flat.reshape(slot.blocks_per_copy, b),
+                                             (slot.copies, 1))
     return real
 
   def layer(self, name: str) -> Any:
@@ -168,40 +182,77 @@ def build_layout(tree: Any, block_size: Optional[int],
   block_size = _check_block_size(block_size)
   counts: dict[tuple[int, int], int] = {}
 
-  def slot(dim: Optional[int]) -> Optional[FactorSlot]:
+  def slot(dim: Optional[int], copies: int) -> Optional[FactorSlot]:
     if dim is None:
       return None
     block, n = split_shape(dim, block_size)
     rank = rank_of(block)
     start = counts.get((block, rank), 0)
-    counts[(block, rank)] = start + n
-    return FactorSlot(dim=dim, block=block, start=start, num_blocks=n, rank=rank)
+    counts[(block, rank)] = start + n * copies
+    return FactorSlot(dim=dim, block=block, start=start, num_blocks=n * copies, rank=rank,
+                      copies=copies)
 
   specs = []
   for path, leaves in module_leaves(tree).items():
     shapes = {name: tuple(int(s) for s in np.shape(leaf)) for name, leaf in leaves.items()}
-    found = layers_lib.claim(path, shapes)
+    found = claim_stacked(path, shapes)
     if found is None:
       continue
-    kind, claim = found
-    a = slot(claim.a_dim)
-    specs.append(layers_lib.LayerSpec(path, kind, tuple(sorted(shapes.items())), a,
-                                      slot(claim.g_dim)))
+    kind, claim, stack = found
+    copies = math.prod(stack)
+    per_layer = {name: shape[len(stack):] for name, shape in shapes.items()}
+    a = slot(claim.a_dim, copies)
+    specs.append(layers_lib.LayerSpec(path, kind, tuple(sorted(per_layer.items())), a,
+                                      slot(claim.g_dim, copies), stack))
   groups = {group_key(b, r): (b, n) for (b, r), n in sorted(counts.items())}
   ranks = {group_key(b, r): r for (b, r) in sorted(counts) if r}
   return BlockLayout(tuple(specs), groups, block_size, ranks)
 
 
+def claim_stacked(path: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> Optional[tuple]:
+  """``(kind, claim, stack)`` of a module's leaves: claimed as they are (``stack = ()``), or,
+  when no kind claims them, as a stack of layers: the fewest leading axes shared by every leaf
+  (``nn.scan`` / ``nn.vmap`` with ``variable_axes={'params': 0}`` stack a layer's parameters on
+  axis 0) whose removal leaves shapes a kind claims. ``None`` if neither."""
+  from thor_optax._src import layers as layers_lib  # pylint: disable=import-outside-toplevel
+  found = layers_lib.claim(path, shapes)
+  if found is not None:
+    return found + ((),)
+  rank = min((len(s) for s in shapes.values()), default=0)
+  for k in range(1, rank):
+    stack = next(iter(shapes.values()))[:k]
+    if any(s[:k] != stack for s in shapes.values()):
+      return None
+    found = layers_lib.claim(path, {name: s[k:] for name, s in shapes.items()})
+    if found is not None:
+      return found + (stack,)
+  return None
+
+
 # ------------------------------------------------------------------------------------------------
-# Block arithmetic on a factor given as rows: F = scale * X^T X, X of shape (R, d).
+# Block arithmetic on a factor given as rows: F = scale * X^T X, X of shape (R, d), or, for a
+# slot with C copies (a stack of layers), X of shape (C, R, d) and one scale per copy, (C,).
 
 
 def blocked_rows(rows: jax.Array, slot: FactorSlot) -> jax.Array:
-  """``(R, d)`` rows -> ``(R, num_blocks, b)``, zero-padding the columns to ``b * num_blocks``."""
+  """``(R, d)`` rows -> ``(R, num_blocks, b)``, zero-padding the columns to ``b * num_blocks``;
+  ``(C, R, d)`` rows of ``C`` copies -> ``(R, C * blocks_per_copy, b)``, copy-major."""
   pad = slot.padded_dim - rows.shape[-1]
   if pad:
-    rows = jnp.pad(rows, ((0, 0), (0, pad)))
-  return rows.reshape(rows.shape[0], slot.num_blocks, slot.block)
+    rows = jnp.pad(rows, ((0, 0),) * (rows.ndim - 1) + ((0, pad),))
+  if rows.ndim == 2:
+    return rows.reshape(rows.shape[0], slot.num_blocks, slot.block)
+  c, r, _ = rows.shape
+  x = rows.reshape(c, r, slot.blocks_per_copy, slot.block)
+  return jnp.moveaxis(x, 0, 1).reshape(r, slot.num_blocks, slot.block)
+
+
+def block_scale(scale: jax.Array | float, slot: FactorSlot) -> jax.Array | float:
+  """The scale of each block: a scalar as it is, or ``(C,)`` per-copy scales repeated over each
+  copy's blocks, ``(num_blocks,)``."""
+  if jnp.ndim(scale) == 0:
+    return scale
+  return jnp.repeat(scale, slot.blocks_per_copy)
 
 
 def block_traces(rows: jax.Array, scale: jax.Array | float, slot: FactorSlot) -> jax.Array:
@@ -217,7 +268,7 @@ def block_traces(rows: jax.Array, scale: jax.Array | float, slot: FactorSlot) ->
   Returns:
     ``(num_blocks,)`` traces.
   """
-  return scale * jnp.sum(jnp.square(blocked_rows(rows, slot)), axis=(0, 2))
+  return block_scale(scale, slot) * jnp.sum(jnp.square(blocked_rows(rows, slot)), axis=(0, 2))
 
 
 def block_covariances(rows: jax.Array, scale: jax.Array | float, slot: FactorSlot,
@@ -234,6 +285,8 @@ def block_covariances(rows: jax.Array, scale: jax.Array | float, slot: FactorSlo
     ``(K, b, b)``; padded rows/columns are zero.
   """
   x = jnp.take(blocked_rows(rows, slot), idx, axis=1)
+  scale = block_scale(scale, slot)
+  scale = scale if jnp.ndim(scale) == 0 else jnp.take(scale, idx)[:, None, None]
   # Under an explicit-sharding mesh the examples axis ``R`` may be sharded: the contraction
   # over it gives replicated blocks (the compiler's all-reduce).
   return scale * jnp.einsum("rkb,rkc->kbc", x, x,

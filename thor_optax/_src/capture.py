@@ -53,11 +53,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 
 from thor_optax._src import layers as layers_lib
 from thor_optax._src import stats as stats_lib
@@ -75,12 +76,6 @@ def primary_input(args: tuple, kwargs: dict) -> Any:
     if key in kwargs:
       return kwargs[key]
   raise ValueError(f"cannot find the input among keyword arguments {sorted(kwargs)}")
-
-
-def _set_nested(tree: dict, path: tuple[Any, ...], value: Any) -> None:
-  for key in path[:-1]:
-    tree = tree.setdefault(key, {})
-  tree[path[-1]] = value
 
 
 def _module_paths(params: Any) -> set[tuple[str, ...]]:
@@ -142,16 +137,20 @@ class FisherOptions:
     likelihood: ``'softmax_cross_entropy'``, ``'squared_error'`` or ``None`` (empirical only).
     num_samples: targets drawn per example for ``'sampled'`` (``>= 1``).
     loss_reduction: ``'mean'`` or ``'sum'``.
+    num_loss_terms: the number of terms a mean loss averages (``N`` examples, or ``N * T``
+      positions), or ``None`` to read it from the output's leading axes (:func:`loss_terms`).
 
   Raises:
     ValueError: on an unknown ``fisher_type``, ``likelihood`` or ``loss_reduction``, a sampled
-      or exact Fisher without a ``likelihood``, or ``num_samples < 1``.
+      or exact Fisher without a ``likelihood``, ``num_samples < 1``, or a ``num_loss_terms``
+      that is not a positive int (or is given with ``loss_reduction='sum'``).
   """
 
   fisher_type: str = "empirical"
   likelihood: Optional[str] = None
   num_samples: int = 1
   loss_reduction: str = "mean"
+  num_loss_terms: Optional[int] = None
 
   def __post_init__(self):
     if self.fisher_type not in FISHER_TYPES:
@@ -165,6 +164,13 @@ class FisherOptions:
           f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
     if self.num_samples < 1:
       raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+    n = self.num_loss_terms
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+      raise ValueError(f"num_loss_terms must be a positive Python int (the number of terms the "
+                       f"mean loss averages) or None, got {n!r}.")
+    if n is not None and self.loss_reduction == "sum":
+      raise ValueError("num_loss_terms is for loss_reduction='mean'; a summed loss has per-term "
+                       "cotangents already.")
 
   def check_rng(self, rng: Optional[jax.Array]) -> None:
     """Raises ``ValueError`` if the Fisher type draws targets and ``rng`` is ``None``."""
@@ -173,59 +179,111 @@ class FisherOptions:
           "fisher_type='sampled' draws targets from the model: pass rng=<PRNGKey>.")
 
 
-def note_call(calls: dict, path: tuple[Any, ...], mod: Any, method: str, args: tuple,
-              kwargs: dict, out: jax.Array) -> None:
-  """Records one call of a captured module's method for :func:`plan_calls` (an abstract pass).
+class Call(NamedTuple):
+  """One call of an intercepted method of a registered kind's module, seen in an abstract pass.
 
-  Appends ``(module, method, input shape, output ShapeDtypeStruct)`` to ``calls[path]``.
+  Attributes:
+    module: the module (linen: bound inside the pass; NNX: the model copy's layer).
+    method: the method's name (``'__call__'``, ``'attend'``, ...).
+    input_shape: shape of the primary input.
+    out: ``ShapeDtypeStruct`` of the output (as the layer sees it inside any lifted transform).
+    stack: leading axes of the module's parameters beyond those the layer sees (``(L,)`` for a
+      stack of ``L`` layers under ``nn.scan`` / ``nn.vmap`` with ``variable_axes={'params':
+      0}``), ``()`` otherwise.
+    shared_over: the lifted transform (``'scan'``, ``'vmap'``) that applies the layer's
+      unstacked weights at every iteration (an ``nn.RNN`` cell), ``''`` otherwise.
   """
+
+  module: Any
+  method: str
+  input_shape: tuple[int, ...]
+  out: jax.ShapeDtypeStruct
+  stack: tuple[int, ...] = ()
+  shared_over: str = ""
+
+
+def note_call(calls: dict, path: tuple[Any, ...], mod: Any, method: str, args: tuple,
+              kwargs: dict, out: Any, stack: tuple[int, ...] = (), shared_over: str = "") -> None:
+  """Records one call for :func:`plan_calls` (appends a :class:`Call` to ``calls[path]``)."""
+  out_struct = (jax.ShapeDtypeStruct(out.shape, out.dtype) if hasattr(out, "shape") else None)
   calls.setdefault(path, []).append(
-      (mod, method, primary_input(args, kwargs).shape,
-       jax.ShapeDtypeStruct(out.shape, out.dtype)))
+      Call(mod, method, tuple(primary_input(args, kwargs).shape), out_struct, tuple(stack),
+           shared_over))
 
 
 def path_name(path: tuple[Any, ...]) -> str:
-  """``('Block_0', 'Dense_1')`` -> ``'Block_0/Dense_1'`` (integer keys as digits), the layer names
-  the transforms use (``'/'.join(stats.path_keys(...))``)."""
-  return "/".join(str(k) for k in path)
+  """``('Block_0', 'Dense_1')`` -> ``'Block_0/Dense_1'``; ``()`` -> ``'(root)'``: the layer names
+  the transforms use (:func:`thor_optax._src.stats.layer_name`)."""
+  return stats_lib.layer_name(path)
 
 
 def plan_calls(calls: Mapping[tuple[Any, ...], list],
-               module_reasons: Mapping[tuple[Any, ...], str]) -> tuple[dict, dict]:
+               module_reasons: Mapping[tuple[Any, ...], str],
+               counts: Optional[Mapping[tuple[Any, ...], int]] = None,
+               shared: Optional[Mapping[tuple[Any, ...], str]] = None) -> tuple[dict, dict]:
   """Which module calls are captured, and why the others are not.
 
   Args:
-    calls: ``{module path: [(module, method, input shape, output ShapeDtypeStruct), ...]}``,
-      one entry per call of an intercepted method of a registered layer kind's module in one
-      forward pass, as :func:`note_call` records them.
+    calls: ``{module path: [Call, ...]}``, every call of an intercepted method of a registered
+      layer kind's module in one forward pass, as :func:`note_call` records them.
     module_reasons: ``{module path: reason}`` for every module holding parameters: the reason it
       is listed as unhandled if no captured call was seen for it (e.g. ``'module kind not
       supported'``).
+    counts: ``{module path: __call__ calls per forward pass}`` where the calls listed in
+      ``calls`` overcount them (a body traced twice by a lifted ``nn.scan``); default: counted
+      from ``calls``.
+    shared: ``{module path: reason}`` for modules whose parameters are also used elsewhere
+      (given to a module applied with ``.apply()``): listed, not captured.
 
   Returns:
-    ``(captured, unhandled)``: ``captured[path] = dict(kind=, meta=, out=)`` with ``kind`` the
-    module's ``LayerKind``, ``meta`` the static metadata of its statistics and ``out`` the
-    output's ``ShapeDtypeStruct``; ``unhandled[path] = reason``.
+    ``(captured, unhandled)``: ``captured[path] = dict(kind=, meta=, out=, stack=)`` with
+    ``kind`` the module's ``LayerKind``, ``meta`` the static metadata of its statistics,
+    ``out`` the output's ``ShapeDtypeStruct`` and ``stack`` the leading stack axes of its
+    parameters; ``unhandled[path] = reason``.
   """
   unhandled: dict[tuple[Any, ...], str] = {}
   captured: dict[tuple[Any, ...], dict] = {}
   for path, seen in calls.items():
-    mod, _, in_shape, out = seen[0]
-    kind = layers_lib.kind_of_module(mod)
-    plan = kind.plan(mod, tuple(method for _, method, _, _ in seen), in_shape)
+    first = seen[0]
+    kind = layers_lib.kind_of_module(first.module)
+    plan = kind.plan(first.module, tuple(c.method for c in seen), first.input_shape)
     if plan.meta is None and not plan.reason:
       continue  # no parameters, nothing to precondition
-    n_calls = sum(method == "__call__" for _, method, _, _ in seen)
-    if n_calls > 1:
+    n_calls = (counts or {}).get(path, sum(c.method == "__call__" for c in seen))
+    overridden = kind.overridden(first.module)
+    if overridden:
+      plan = layer_base.Plan(None, (
+          f"{type(first.module).__name__} overrides {', '.join(overridden)} of the "
+          f"{kind.name} layer it subclasses, so the weight it applies may not be its parameter "
+          "(e.g. weight standardization); register a layer kind for it "
+          "(thor_optax.register_layer_kind)"))
+    elif first.shared_over:
+      plan = layer_base.Plan(None, (
+          f"its weights are shared by every iteration of nn.{first.shared_over} (a recurrent "
+          "cell, or a layer mapped over a dimension): weight sharing is not preconditioned yet"))
+    elif n_calls > 1:
       plan = layer_base.Plan(None, f"called {n_calls} times per forward pass (shared layer)")
+    elif path in (shared or {}):
+      plan = layer_base.Plan(None, shared[path])
     if plan.meta is None:
       unhandled[path] = plan.reason
       continue
-    captured[path] = dict(kind=kind, meta=plan.meta, out=out)
-  for path, reason in module_reasons.items():
+    captured[path] = dict(kind=kind, meta=plan.meta, out=first.out, stack=first.stack)
+  for path, reason in {**module_reasons, **(shared or {})}.items():
     if path not in captured and path not in unhandled:
       unhandled[path] = reason
   return captured, unhandled
+
+
+def _set_nested(tree: dict, path: tuple[Any, ...], value: Any) -> Any:
+  """``tree`` with ``value`` at ``path`` (``value`` itself for the root path ``()``)."""
+  if not path:
+    return value
+  node = tree
+  for key in path[:-1]:
+    node = node.setdefault(key, {})
+  node[path[-1]] = value
+  return tree
 
 
 def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
@@ -233,21 +291,57 @@ def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
                      layer_inputs: Mapping[tuple[Any, ...], jax.Array],
                      cts: Mapping[tuple[Any, ...], jax.Array]) -> stats_lib.CurvatureStats:
   """Each captured layer's statistics, built by its kind from the recorded inputs (``x_hat``
-  for normalization layers) and the per-example output cotangents."""
-  layers: dict = {}
+  for normalization layers) and the per-example output cotangents; a stack of layers
+  (``stack=(L,)``) gets its kind's statistics with a leading ``L`` axis on every field."""
+  layers: Any = {}
   for path, c in captured.items():
-    _set_nested(layers, path, c["kind"].make_stats(layer_inputs[path], cts[path], **c["meta"]))
+    make = functools.partial(c["kind"].make_stats, **c["meta"])
+    for _ in c["stack"]:  # inputs (L, N, ...), cotangents (S, L, N, ...)
+      make = jax.vmap(make, in_axes=(0, 1))
+    layers = _set_nested(layers, path, make(layer_inputs[path], cts[path]))
   notes = tuple(f"{path_name(p)}: {why}"
                 for p, why in sorted(unhandled.items(), key=lambda kv: path_name(kv[0])))
   return stats_lib.CurvatureStats(layers=layers, unhandled=notes)
 
 
+def loss_terms(outputs: Any, options: "FisherOptions") -> int:
+  """The number of terms a mean loss averages (1 for a summed loss).
+
+  Args:
+    outputs: the model's outputs (any pytree).
+    options: the capture's options (``loss_reduction``, ``num_loss_terms``).
+
+  Returns:
+    ``num_loss_terms`` if given; else, for one output array of rank >= 2, the product of its
+    leading axes (``N`` examples, or ``N * T`` positions).
+
+  Raises:
+    ValueError: for a mean loss without ``num_loss_terms`` whose outputs are not one array of
+      rank >= 2 (a tuple, dict or dataclass of outputs, or a rank-1 array such as
+      ``Dense(1)(x)[..., 0]``): their number of loss terms cannot be read from shapes.
+  """
+  if options.loss_reduction == "sum":
+    return 1
+  if options.num_loss_terms is not None:
+    return options.num_loss_terms
+  leaves = jax.tree_util.tree_leaves(outputs)
+  if len(leaves) == 1 and leaves[0] is outputs and outputs.ndim >= 2:
+    return math.prod(outputs.shape[:-1])
+  what = (f"a rank-{outputs.ndim} array of shape {outputs.shape}" if len(leaves) == 1
+          and leaves[0] is outputs else f"a {type(outputs).__name__} of {len(leaves)} arrays")
+  raise ValueError(
+      f"thor_optax value_and_grad_with_stats: the model returns {what}, so the number of terms "
+      "the mean loss averages cannot be read from the output's leading axes. Pass "
+      "num_loss_terms=<int> (e.g. the batch size N for a loss averaged over examples, N * T "
+      "for one averaged over all positions), or loss_reduction='sum' for a summed loss.")
+
+
 def vjp_with_stats(
-    forward: Callable[[Any, dict], tuple[jax.Array, tuple[dict, Any]]],
+    forward: Callable[[Any, dict], tuple[Any, tuple[dict, Any]]],
     params: Any,
     captured: Mapping[tuple[Any, ...], dict],
     unhandled: Mapping[tuple[Any, ...], str],
-    loss_fn: Callable[[jax.Array, Any], jax.Array],
+    loss_fn: Callable[[Any, Any], jax.Array],
     targets: Any,
     rng: Optional[jax.Array],
     options: FisherOptions,
@@ -256,12 +350,14 @@ def vjp_with_stats(
 
   Args:
     forward: ``forward(params, perturbations) -> (outputs, (layer_inputs, aux))``: the model's
-      forward pass that adds ``perturbations[path]`` (zeros of the layer's output shape) to the
-      output of every captured layer and records its input (``x_hat`` for a normalization layer)
-      in ``layer_inputs[path]``; ``aux`` is passed through (e.g. updated model state).
+      forward pass that adds ``perturbations[path]`` (zeros of the layer's output shape, with
+      the leading stack axes of a stacked layer) to the output of every captured layer and
+      records its input (``x_hat`` for a normalization layer) in ``layer_inputs[path]``;
+      ``outputs`` is any pytree; ``aux`` is passed through (e.g. updated model state).
     params: the differentiated parameters (any pytree).
     captured, unhandled: from :func:`plan_calls`.
-    loss_fn: ``loss_fn(outputs, targets) -> scalar``.
+    loss_fn: ``loss_fn(outputs, targets) -> scalar``, given the outputs exactly as the model
+      returns them.
     targets: second argument of ``loss_fn``.
     rng: PRNG key for ``'sampled'``.
     options: the Fisher options.
@@ -269,16 +365,27 @@ def vjp_with_stats(
   Returns:
     ``(loss, grads, stats, aux)``; ``grads`` has the structure of ``params``; ``stats`` is a
     :class:`CurvatureStats` whose layers nest by the keys of each captured path.
+
+  Raises:
+    ValueError: from :func:`loss_terms`; for a sampled or exact Fisher of a model whose output
+      is not one array (the predictive distribution needs the logits).
   """
-  perturbations = {path: jnp.zeros(c["out"].shape, c["out"].dtype)
+  perturbations = {path: jnp.zeros(tuple(c["stack"]) + tuple(c["out"].shape), c["out"].dtype)
                    for path, c in captured.items()}
   outputs, vjp_fn, (layer_inputs, aux) = jax.vjp(forward, params, perturbations, has_aux=True)
   loss, dloss = jax.value_and_grad(loss_fn)(outputs, targets)
-  grads, layer_cts = vjp_fn(dloss.astype(outputs.dtype))
-  n_examples = math.prod(outputs.shape[:-1]) if options.loss_reduction == "mean" else 1
+  dloss = jax.tree.map(lambda d, o: d.astype(o.dtype), dloss, outputs)
+  grads, layer_cts = vjp_fn(dloss)
+  n_examples = loss_terms(outputs, options)
   if options.fisher_type == "empirical":
-    cts = jax.tree_util.tree_map(lambda c: (c * n_examples)[None], layer_cts)
+    cts = jax.tree.map(lambda c: (c * n_examples)[None], layer_cts)
   else:
+    if not isinstance(outputs, jax.Array):
+      raise ValueError(
+          f"thor_optax value_and_grad_with_stats: fisher_type={options.fisher_type!r} draws "
+          "targets from the model's predictive distribution, so the model must return one "
+          f"array of logits; it returns a {type(outputs).__name__}. Use "
+          "fisher_type='empirical', or capture a wrapper module that returns the logits.")
     out_cts = output_cotangents(outputs, dloss, n_examples, options.fisher_type,
                                 options.likelihood, options.num_samples, rng)
     cts = jax.vmap(lambda ct: vjp_fn(ct)[1])(out_cts)
@@ -299,30 +406,197 @@ class _Apply:
     """Whether ``model.apply`` returns ``(outputs, mutated)`` rather than ``outputs``."""
     return self.mutable is not False or bool(self.kwargs.get("capture_intermediates", False))
 
-  def __call__(self, variables: dict, inputs: Any) -> tuple[Any, Any]:
+  def instrumented(self, variables: dict, inputs: Any) -> tuple[Any, dict]:
+    """``model.apply`` with the ``params`` collection mutable as well (the channel through which
+    captured layers inside lifted transforms read their perturbations and record their inputs),
+    returning ``(outputs, every mutated collection)``."""
+    mutable = self.mutable
+    if mutable is not True:
+      names = [] if mutable is False else [mutable] if isinstance(mutable, str) else list(mutable)
+      mutable = list(dict.fromkeys(names + ["params"]))
+    kwargs = {k: v for k, v in self.kwargs.items() if k != "capture_intermediates"}
+    out = self.model.apply(variables, inputs, mutable=mutable, **kwargs,
+                           capture_intermediates=self.kwargs.get("capture_intermediates", False))
+    return out
+
+  def user_state(self, mutated: dict) -> Any:
+    """The mutated collections as ``model.apply(..., mutable=self.mutable)`` returns them."""
     if not self.returns_state:
-      return self.model.apply(variables, inputs, **self.kwargs), None
-    return self.model.apply(variables, inputs, mutable=self.mutable, **self.kwargs)
+      return None
+    if self.mutable is True or "params" in ([self.mutable] if isinstance(self.mutable, str)
+                                            else list(self.mutable or [])):
+      return {**mutated, "params": _strip_channels(mutated["params"])}
+    return {k: v for k, v in mutated.items() if k != "params"}
 
 
-def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> dict:
-  """Calls, shapes and metadata of every registered kind's module (an abstract pass, no FLOPs)."""
+_INPUTS = "~thor_inputs"  # a captured layer's recorded input, in its own params scope
+_PERTURBATION = "~thor_perturbation"  # the zeros added to a captured layer's output
+_CALLS = "~thor_calls"  # zeros((k,)) after k calls of a layer (counted through lifted scans)
+
+
+def _strip_channels(tree: Any) -> Any:
+  """A params dict without the capture's channel entries."""
+  if not isinstance(tree, Mapping):
+    return tree
+  return {k: _strip_channels(v) for k, v in tree.items()
+          if k not in (_INPUTS, _PERTURBATION, _CALLS)}
+
+
+def _get(tree: Any, path: tuple[Any, ...]) -> Any:
+  """The node of a nested dict at ``path``, or ``None``."""
+  for key in path:
+    if not isinstance(tree, Mapping) or key not in tree:
+      return None
+    tree = tree[key]
+  return tree
+
+
+class _Context:
+  """Where a linen call runs, relative to the model being captured.
+
+  The capture's own ``model.apply`` has the root scope; a module run inside a lifted transform
+  (``nn.remat``, ``nn.scan``, ``nn.vmap``, ``nn.jit``) has a root scope of its own whose path is
+  its place in the model (and whose debug path names the transforms, ``'remat(scan(layers))'``);
+  a module applied with ``.apply()`` inside the model (a separate variable tree) has a root
+  scope with the empty path that is not the capture's.
+  """
+
+  def __init__(self, param_shapes: Mapping[tuple[str, ...], dict]):
+    self.root = None
+    self.param_shapes = param_shapes
+    self.stack: list[tuple[str, ...]] = []  # paths of the model's modules being called
+
+  def enter(self, mod: nn.Module) -> None:
+    if self.root is None:
+      self.root = mod.scope.root
+
+  def foreign(self, mod: nn.Module) -> bool:
+    """Whether ``mod`` belongs to a variable tree applied with ``.apply()`` inside the model."""
+    root = mod.scope.root
+    return root is not self.root and not root.path and not root.debug_path
+
+  def site(self) -> str:
+    """The model module that is running (where a ``.apply()`` happens)."""
+    return path_name(self.stack[-1]) if self.stack else path_name(())
+
+  def placement(self, mod: nn.Module) -> Optional[tuple[tuple[int, ...], str]]:
+    """``(stack, shared_over)`` of a module with parameters, ``None`` if it has none here."""
+    outer = self.param_shapes.get(tuple(mod.path))
+    inner = mod.variables.get("params", {})
+    name = next((k for k in sorted(outer or {}) if k in inner
+                 and hasattr(inner[k], "shape")), None)
+    if name is None:
+      return None
+    full, seen = outer[name], tuple(inner[name].shape)
+    stack = full[:len(full) - len(seen)]
+    lifted = " ".join(mod.scope.root.debug_path)
+    mapped = next((t for t in ("scan", "vmap") if f"{t}(" in lifted), "")
+    return stack, ("" if stack else mapped)
+
+
+def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tuple:
+  """Calls, shapes and metadata of every registered kind's module (an abstract pass, no FLOPs).
+
+  Returns ``(calls, counts, foreign)``: the :class:`Call`\\ s by module path; the number of
+  ``__call__`` calls of each captured-kind module with parameters per forward pass (counted
+  through the params channel, so a lifted scan's second trace of its body does not count);
+  and ``{site: module class}`` of layers applied with ``.apply()`` inside the model.
+  """
   calls: dict[tuple[str, ...], list] = {}
+  foreign: dict[str, str] = {}
+  ctx = _Context({path: {k: tuple(v.shape) for k, v in leaves.items()}
+                  for path, leaves in _module_leaves(params).items()})
 
   def record(next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
     mod, method = context.module, context.method_name
+    ctx.enter(mod)
+    if ctx.foreign(mod):
+      if method == "__call__" and layers_lib.kind_of_module(mod) is not None:
+        foreign[ctx.site()] = type(mod).__name__
+      return next_fun(*args, **kwargs)
+    ctx.stack.append(tuple(mod.path))
+    try:
+      out = next_fun(*args, **kwargs)
+    finally:
+      ctx.stack.pop()
     kind = layers_lib.kind_of_module(mod)
-    if kind is not None and method in kind.methods:
-      note_call(calls, mod.path, mod, method, args, kwargs, out)
+    if kind is None or method not in kind.methods:
+      return out
+    place = ctx.placement(mod)
+    stack, shared_over = place if place is not None else ((), "")
+    note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over)
+    if method == "__call__" and place is not None and not shared_over:
+      seen = (mod.scope.get_variable("params", _CALLS)
+              if mod.scope.has_variable("params", _CALLS) else jnp.zeros((0,)))
+      mod.scope.put_variable("params", _CALLS, jnp.zeros((seen.shape[-1] + 1,)))
     return out
 
   def run(p, state, x):
     with nn.intercept_methods(record):
-      return apply({"params": p, **state}, x)
+      return apply.instrumented({"params": p, **state}, x)[1]["params"]
 
-  jax.eval_shape(run, params, model_state, inputs)
-  return calls
+  mutated = jax.eval_shape(run, params, model_state, inputs)
+  counts = {path: _get(mutated, path)[_CALLS].shape[-1] for path in calls
+            if _CALLS in (_get(mutated, path) or {})}
+  return calls, counts, foreign
+
+
+def _module_leaves(params: Any) -> dict[tuple[str, ...], dict]:
+  """``{module path: {leaf name: leaf}}`` of a params tree."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  out: dict[tuple[str, ...], dict] = {}
+  for path, leaf in flat:
+    keys = stats_lib.path_keys(path)
+    out.setdefault(keys[:-1], {})[keys[-1]] = leaf
+  return out
+
+
+def _shared_with_apply(apply: _Apply, params: Any, model_state: dict, inputs: Any,
+                       foreign: Mapping[str, str]) -> dict[tuple[str, ...], str]:
+  """Modules whose parameters feed a layer applied with ``.apply()`` inside the model (the
+  tied-embedding pattern ``Dense.apply({'params': {'kernel': embedding.T}}, x)``): found by
+  following the data flow of the traced model from each parameter to those layers'
+  variables."""
+  if not foreign:
+    return {}
+  ctx = _Context({})
+
+  def used(p):
+    found = []
+
+    def grab(next_fun, args, kwargs, context):
+      ctx.enter(context.module)
+      if ctx.foreign(context.module) and context.method_name == "__call__":
+        found.append(context.module.variables.get("params", {}))
+      return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(grab):
+      apply.instrumented({"params": p, **model_state}, inputs)
+    return found
+
+  closed = jax.make_jaxpr(used)(params)
+  needed = _inputs_feeding_outputs(closed.jaxpr)
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  sites = ", ".join(f"{cls} at {site}" for site, cls in sorted(foreign.items()))
+  shared = {}
+  for (path, _), var in zip(flat, closed.jaxpr.invars):
+    if var in needed:
+      keys = stats_lib.path_keys(path)
+      shared[keys[:-1]] = (
+          f"its parameter {keys[-1]!r} is also used by a layer applied with .apply() inside the "
+          f"model ({sites}; e.g. a tied output projection): weight sharing is not "
+          "preconditioned yet")
+  return shared
+
+
+def _inputs_feeding_outputs(jaxpr: Any) -> set:
+  """The input variables of a jaxpr that its outputs depend on (an equation's outputs are taken
+  to depend on all of its inputs)."""
+  live = {v for v in jaxpr.outvars if not isinstance(v, jax_core.Literal)}
+  for eqn in reversed(jaxpr.eqns):
+    if any(v in live for v in eqn.outvars):
+      live.update(v for v in eqn.invars if not isinstance(v, jax_core.Literal))
+  return live
 
 
 def _normalized_input(mod: nn.Module, args: tuple, kwargs: dict, state: dict,
@@ -334,32 +608,58 @@ def _normalized_input(mod: nn.Module, args: tuple, kwargs: dict, state: dict,
   return jax.lax.stop_gradient(x_hat)
 
 
+def _with_channels(params: Any, perts: Mapping[tuple[str, ...], jax.Array]) -> Any:
+  """``params`` with each captured layer's zero perturbation beside its leaves."""
+  if not perts:
+    return params
+  tree = dict(params)
+  for path, zeros in perts.items():
+    node = tree
+    for key in path:
+      node[key] = dict(node[key])
+      node = node[key]
+    node[_PERTURBATION] = zeros
+  return tree
+
+
 def _forward(apply: _Apply, model_state: dict, inputs: Any, normalized: set, params: Any,
              perts: dict) -> tuple[Any, tuple[dict, Any]]:
-  """The forward pass that records captured layers' inputs and perturbs their outputs."""
-  layer_inputs = {}
+  """The forward pass that records captured layers' inputs and perturbs their outputs.
+
+  Both go through each layer's own ``params`` scope (its perturbation is read from
+  ``_PERTURBATION`` beside its parameters and its input written to ``_INPUTS``), so they pass
+  through linen's lifted transforms as its parameters do: sliced and stacked by ``nn.scan``,
+  rematerialized by ``nn.remat``.
+  """
+  ctx = _Context({})
   in_clone = [False]  # the x_hat clone's own call passes through the interceptor
 
   def intercept(next_fun, args, kwargs, context):
-    path, mod = context.module.path, context.module
-    if in_clone[0] or context.method_name != "__call__" or path not in perts:
+    mod = context.module
+    ctx.enter(mod)
+    path = tuple(mod.path)
+    if (in_clone[0] or context.method_name != "__call__" or path not in perts
+        or ctx.foreign(mod)):
       return next_fun(*args, **kwargs)
     if path not in normalized:
-      layer_inputs[path] = primary_input(args, kwargs)
-      return next_fun(*args, **kwargs) + perts[path]
+      mod.scope.put_variable("params", _INPUTS, primary_input(args, kwargs))
+      return next_fun(*args, **kwargs) + mod.scope.get_variable("params", _PERTURBATION)
     # Non-parameter collections (batch_stats) as the layer sees them, before it updates them.
     state = {col: v for col, v in mod.variables.items() if col != "params"}
     out = next_fun(*args, **kwargs)
     in_clone[0] = True
     try:
-      layer_inputs[path] = _normalized_input(mod, args, kwargs, state, out.dtype)
+      x_hat = _normalized_input(mod, args, kwargs, state, out.dtype)
     finally:
       in_clone[0] = False
-    return out + perts[path]
+    mod.scope.put_variable("params", _INPUTS, x_hat)
+    return out + mod.scope.get_variable("params", _PERTURBATION)
 
+  variables = {"params": _with_channels(params, perts), **model_state}
   with nn.intercept_methods(intercept):
-    outputs, mutated = apply({"params": params, **model_state}, inputs)
-  return outputs, (layer_inputs, mutated)
+    outputs, mutated = apply.instrumented(variables, inputs)
+  layer_inputs = {path: _get(mutated["params"], path)[_INPUTS] for path in perts}
+  return outputs, (layer_inputs, apply.user_state(mutated))
 
 
 def value_and_grad_with_stats(
@@ -370,6 +670,7 @@ def value_and_grad_with_stats(
     likelihood: Optional[str] = None,
     num_samples: int = 1,
     loss_reduction: str = "mean",
+    num_loss_terms: Optional[int] = None,
 ) -> Callable[..., Any]:
   """Loss, gradients and per-layer curvature statistics in one forward and one backward pass.
 
@@ -382,8 +683,14 @@ def value_and_grad_with_stats(
     likelihood: ``'softmax_cross_entropy'`` or ``'squared_error'``, the predictive
       distribution for the sampled and exact Fisher.
     num_samples: targets drawn per example for ``'sampled'``.
-    loss_reduction: ``'mean'`` if ``loss_fn`` averages over all leading axes of the outputs
-      (``N`` examples, or ``N * T`` positions), ``'sum'`` if it sums.
+    loss_reduction: ``'mean'`` if ``loss_fn`` averages over loss terms (examples, or positions),
+      ``'sum'`` if it sums them.
+    num_loss_terms: how many terms a mean loss averages: ``N`` for a loss averaged over the
+      examples (a classifier, a per-sequence loss such as CTC), ``N * T`` for one averaged over
+      every position (a language model). ``None`` (default) reads it from the output's leading
+      axes, which needs the model to return one array of rank >= 2 (``(N, K)`` -> ``N``,
+      ``(N, T, K)`` -> ``N * T``); a model returning a tuple, dict or dataclass, or a rank-1
+      array (``Dense(1)(x)[..., 0]``), must state it.
 
   Returns:
     ``fn(params, inputs, targets, *, rng=None, model_state=None, mutable=False,
@@ -414,10 +721,13 @@ def value_and_grad_with_stats(
 
   Raises:
     ValueError: on an unknown ``fisher_type``, ``likelihood`` or ``loss_reduction``, a sampled
-      or exact Fisher without a ``likelihood``, or ``num_samples < 1``; from ``fn``, for a
-      sampled Fisher called without ``rng`` or a ``model_state`` holding ``"params"``.
+      or exact Fisher without a ``likelihood``, ``num_samples < 1`` or a bad
+      ``num_loss_terms``; from ``fn``, for a sampled Fisher called without ``rng``, a
+      ``model_state`` holding ``"params"``, outputs whose number of loss terms cannot be read
+      from their shape (see ``num_loss_terms``), or a sampled or exact Fisher of a model that
+      does not return one array.
   """
-  options = FisherOptions(fisher_type, likelihood, num_samples, loss_reduction)
+  options = FisherOptions(fisher_type, likelihood, num_samples, loss_reduction, num_loss_terms)
 
   def fn(params, inputs, targets, *, rng=None, model_state: Optional[Mapping] = None,
          mutable: Union[bool, str, Sequence[str]] = False, **apply_kwargs):
@@ -427,9 +737,11 @@ def value_and_grad_with_stats(
       raise ValueError("model_state holds the non-parameter collections; pass params "
                        "as the first argument.")
     apply = _Apply(model, mutable, apply_kwargs)
-    calls = _discover(apply, params, model_state, inputs)
+    calls, counts, foreign = _discover(apply, params, model_state, inputs)
+    shared = _shared_with_apply(apply, params, model_state, inputs, foreign)
     captured, unhandled = plan_calls(
-        calls, {path: "module kind not supported" for path in _module_paths(params)})
+        calls, {path: "module kind not supported" for path in _module_paths(params)},
+        counts, shared)
     forward = functools.partial(_forward, apply, model_state, inputs,
                                 {p for p, c in captured.items() if c["kind"].normalized_input})
     loss, grads, stats, mutated = vjp_with_stats(forward, params, captured, unhandled, loss_fn,

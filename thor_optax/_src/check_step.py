@@ -13,6 +13,12 @@ Top to bottom (:func:`check_step`):
 4. side curvature (an embedding's diagonal ``A``, a normalization layer's unit-wise Fisher) is
    refreshed by its layer kind, and the per-layer diagnostics are recorded.
 
+Under ``jax.pmap`` with ``axis_name`` (``replicas.py``) what the curvature is built from is
+averaged across the replicas where it is formed, and nowhere else: block traces and an
+embedding's diagonal ``A`` (:func:`layer_factors`), covariance blocks (:func:`covariances`),
+the rows of factors inverted from rows (:func:`refresh_stack`, gathered) and side statistics
+(:func:`check_step`); every later decision and inversion sees identical inputs on every replica.
+
 References:
   Chen et al., "THOR", AAAI 2021 (trace rule, split damping, 128-blocks).
   Martens & Grosse, K-FAC, ICML 2015; Pauloski et al., KAISA, SC 2021; Tang et al., SKFAC,
@@ -31,6 +37,7 @@ import numpy as np
 from thor_optax._src import blocks
 from thor_optax._src import damping as damping_lib
 from thor_optax._src import explicit
+from thor_optax._src import replicas
 from thor_optax._src import stats as stats_lib
 from thor_optax._src.layers import base as layer_base
 
@@ -89,11 +96,13 @@ def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam
                cfg: Any, masked: frozenset[str] = frozenset()) -> Any:
   """One check step on a ``KroneckerState``: refresh the blocks due, side curvature and
   diagnostics (``lam``: ``lambda`` at this step; ``masked``: modules ``optax.masked`` hid)."""
+  replicas.check_axis(cfg.axis_name)
   dtype = state_dtype(state)
   flat = statistics_by_layer(curvature_stats, layout, masked)
   kinds = {spec.name: spec.kind for spec in layout.layers}
   flat = {name: explicit.align_examples(s, kinds[name].example_axes) for name, s in flat.items()}
-  key = None if cfg.subsample_key is None else jax.random.fold_in(cfg.subsample_key, state.count)
+  key = None if cfg.subsample_key is None else replicas.fold_in(
+      jax.random.fold_in(cfg.subsample_key, state.count), cfg.axis_name)
   lam = jnp.asarray(lam, dtype)
   factors = {spec.name: layer_factors(spec, flat[spec.name], dtype, cfg, key, jnp.sqrt(lam))
              for spec in layout.layers if spec.name in flat and spec.g is not None}
@@ -103,10 +112,13 @@ def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam
   for group in layout.groups:
     new_blocks[group], refreshed[group], ratio[group] = refresh_stack(
         group, state.blocks[group], inputs[group], layout, cfg, invert_now, state.count)
-  side = {spec.name: spec.kind.side_refresh(spec, flat[spec.name], state.layers[spec.name],
-                                            factors.get(spec.name), lam,
-                                            cfg.method, cfg.accumulator)
-          for spec in layout.layers if spec.name in state.layers and spec.name in flat}
+  side = {}
+  for spec in layout.layers:
+    if spec.name in state.layers and spec.name in flat:
+      side_inputs = factors[spec.name] if spec.name in factors else replicas.mean(
+          side_statistics(spec, flat[spec.name], dtype), cfg.axis_name)
+      side[spec.name] = side_refresh(spec, flat[spec.name], state.layers[spec.name],
+                                     side_inputs, lam, cfg)
   diagnostics = {**state.diagnostics, **{
       spec.name: layer_diagnostics(spec, state.diagnostics[spec.name], new_blocks, refreshed,
                                    ratio, cfg.policy)
@@ -124,21 +136,51 @@ def state_dtype(state: Any) -> jnp.dtype:
   return floats[0].dtype if floats else jnp.float32
 
 
+def side_statistics(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype) -> Any:
+  """What a layer without block factors builds its side curvature from (its kind's
+  ``side_statistics``; per layer of a stack, under ``vmap``)."""
+  one = spec.one_layer()
+  fn = lambda s: spec.kind.side_statistics(one, s, dtype)  # pylint: disable=unnecessary-lambda-assignment
+  return jax.vmap(fn)(stats) if spec.stack else fn(stats)
+
+
+def side_refresh(spec: layer_base.LayerSpec, stats: Any, state: Any, factors: Any,
+                 lam: jax.Array, cfg: Any) -> Any:
+  """A layer's side curvature after a check step (per layer of a stack, under ``vmap``)."""
+  one = spec.one_layer()
+
+  def refresh(stats, state, factors):
+    return spec.kind.side_refresh(one, stats, state, factors, lam, cfg.method, cfg.accumulator)
+
+  return jax.vmap(refresh)(stats, state, factors) if spec.stack else refresh(stats, state, factors)
+
+
 def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg: Any,
                   key: Any, sqrt_damping: jax.Array) -> layer_base.LayerFactors:
-  """A Kronecker-factored layer's factor rows (or diagonal ``A``), damping and validity."""
+  """A Kronecker-factored layer's factor rows (or diagonal ``A``), damping and validity; for a
+  stack of layers, every field has the stack (flattened) on a leading axis.
+
+  The rows are this replica's; traces and a diagonal ``A`` are averaged across replicas
+  (``cfg.axis_name``), so the damping and validity are those of the whole batch."""
+  if spec.stack:
+    one = spec.one_layer()
+    return jax.vmap(lambda s: layer_factors(one, s, dtype, cfg, key, sqrt_damping))(stats)
   spec.kind.check_stats(spec, stats)
   kw = dict(sampling=cfg.sampling, key=key)
   g = spec.kind.cotangent_rows(spec, stats, dtype, **kw)
   a = spec.kind.input_rows(spec, stats, dtype, **kw)
+  num_replicas = replicas.replica_count(cfg.axis_name)  # rows behind a factor: every replica's
   for slot, which, r in ((spec.a, "A", a), (spec.g, "G", g)):
     if slot is not None:
-      cfg.group_method(slot.group).check_rows(spec.name, which, slot, r.rows.shape[0])
+      cfg.group_method(slot.group).check_rows(spec.name, which, slot,
+                                              num_replicas * r.rows.shape[0])
   tr_g = blocks.block_traces(g.rows, g.scale, spec.g)
   if spec.a is not None:
     tr_a, dim_a = blocks.block_traces(a.rows, a.scale, spec.a), spec.a.dim
   else:  # a diagonal A: its values
     tr_a, dim_a = jnp.sum(a, keepdims=True), a.shape[0]
+    a = replicas.mean(a, cfg.axis_name)
+  tr_a, tr_g = replicas.mean((tr_a, tr_g), cfg.axis_name)
   finite = jnp.all(jnp.isfinite(tr_a)) & jnp.all(jnp.isfinite(tr_g))
   d_a, d_g = damping_lib.split_damping(tr_a, dim_a, tr_g, spec.g.dim, sqrt_damping,
                                        cfg.damping.pi_damping)
@@ -147,8 +189,15 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
 
 def _real_counts(slot: blocks.FactorSlot) -> np.ndarray:
   """``(num_blocks,)`` number of true (unpadded) dimensions per block."""
-  starts = np.arange(slot.num_blocks) * slot.block
-  return np.clip(slot.dim - starts, 0, slot.block).astype(np.float32)
+  starts = np.arange(slot.blocks_per_copy) * slot.block
+  return np.tile(np.clip(slot.dim - starts, 0, slot.block).astype(np.float32), slot.copies)
+
+
+def _per_block(value: jax.Array, slot: blocks.FactorSlot) -> jax.Array:
+  """A layer's scalar, or a stack's ``(C,)`` / ``(C, blocks_per_copy)`` values, per block."""
+  if jnp.ndim(value) == 1 and slot.copies > 1 and value.shape[0] == slot.copies:
+    return jnp.repeat(value, slot.blocks_per_copy)
+  return value.reshape(-1) if jnp.ndim(value) > 1 else value
 
 
 def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactors],
@@ -165,11 +214,12 @@ def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactor
     for slot, r, tr, d in ((spec.a, f.a, f.a_traces, f.d_a), (spec.g, f.g, f.g_traces, f.d_g)):
       if slot is None:
         continue
-      damped = jnp.where(f.finite, tr + d * jnp.asarray(_real_counts(slot), dtype), 0.0)
+      tr, d, finite = (_per_block(v, slot) for v in (tr, d, f.finite))
+      damped = jnp.where(finite, tr + d * jnp.asarray(_real_counts(slot), dtype), 0.0)
       g, span = slot.group, slice(slot.start, slot.stop)
       trace[g] = trace[g].at[span].set(damped)
       damping[g] = damping[g].at[span].set(d)
-      valid[g] = valid[g].at[span].set(f.finite)
+      valid[g] = valid[g].at[span].set(finite)
       rows[g][slot] = r
   slots = {g: tuple(sorted((s for spec in layout.layers for s in spec.slots if s.group == g),
                           key=lambda s: s.start)) for g in layout.groups}
@@ -185,8 +235,10 @@ def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.B
   record = stack["record"]
   choice = cfg.policy.select(inputs.trace, record.trace_ref, stack.get("policy"), inputs.valid,
                              count)
-  from_rows = {slot: r for slot, r in inputs.rows.items()
-               if method.from_rows(slot, r.rows.shape[0], "rows" in cfg.accumulator.provides)}
+  num_replicas = replicas.replica_count(cfg.axis_name)  # rows behind a factor: every replica's
+  from_rows = {slot: replicas.gather_rows(r, cfg.axis_name) for slot, r in inputs.rows.items()
+               if method.from_rows(slot, num_replicas * r.rows.shape[-2],
+                                   "rows" in cfg.accumulator.provides)}
   row_mask = np.zeros((n,), bool)
   for slot in from_rows:
     row_mask[slot.start:slot.stop] = True
@@ -224,8 +276,8 @@ def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.B
 def covariances(inputs: StackInputs, from_rows: dict, selected: jax.Array, b: int,
                 dtype: jnp.dtype, cfg: Any) -> jax.Array:
   """``(n, b, b)`` covariance blocks of the stack: the selected blocks of every factor with
-  statistics (not inverted from rows) multiplied out, zeros elsewhere; skipped blocks cost
-  nothing (``blocks.masked_block_update``)."""
+  statistics (not inverted from rows) multiplied out, zeros elsewhere, averaged across replicas
+  (``cfg.axis_name``); skipped blocks cost nothing (``blocks.masked_block_update``)."""
   parts = []
   for slot in inputs.slots:
     zeros = jnp.zeros((slot.num_blocks, b, b), dtype)
@@ -238,7 +290,7 @@ def covariances(inputs: StackInputs, from_rows: dict, selected: jax.Array, b: in
         lambda idx, r=r, slot=slot: (blocks.block_covariances(r.rows, r.scale, slot, idx),
                                      jnp.ones(idx.shape, bool)), cfg.num_buckets)
     parts.append(cov)
-  return jnp.concatenate(parts, axis=0)
+  return replicas.mean(jnp.concatenate(parts, axis=0), cfg.axis_name)
 
 
 def refresh_from_rows(method: Any, slot: blocks.FactorSlot, rows: Any, inverse: Any,
@@ -280,9 +332,13 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
   Statistics of modules that ``optax.masked`` / ``optax.partition`` hid from this transform
   (``masked``) are dropped: the whole model's statistics may be passed to every member.
 
+  Statistics of a stack of layers (``nn.scan``) come with the stack axes first; they are
+  flattened to one leading axis, ``(copies, ...)``.
+
   Raises:
-    ValueError: if the statistics hold no layer at all while the gradients have layers, or name
-      a layer that no registered kind claimed in the gradients.
+    ValueError: if the statistics hold no layer at all while the gradients have layers (unless
+      the capture listed why it could take none: then a warning, and no layer is refreshed),
+      name a layer that no registered kind claimed in the gradients, or lack a stack's axes.
   Warns:
     UserWarning: naming each layer of the gradients without statistics (with the capture's
       reason, e.g. a shared layer) and each captured-but-unsupported module; their gradients
@@ -292,6 +348,12 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
   flat = stats_lib.flatten_layer_stats(curvature_stats)
   reasons = dict(note.split(": ", 1) for note in getattr(curvature_stats, "unhandled", ())
                  if ": " in note)
+  if not flat and by_name and reasons:  # a capture that could precondition none of the layers
+    warnings.warn(
+        "curvature_stats: the capture preconditions none of the model's layers, so this "
+        "optimizer is its base one (the gradients pass through the curvature unchanged): "
+        + "; ".join(f"{name}: {why}" for name, why in sorted(reasons.items())), stacklevel=5)
+    return {}
   if not flat and by_name:
     raise ValueError(
         f"curvature_stats holds no layer statistics, but the gradients have layers "
@@ -308,6 +370,8 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
         f"(layers and their kinds: {kinds}). Were they captured from a different model? Capture "
         "them from the model whose gradients you pass (inside optax.masked / optax.partition, "
         "layers of the other partitions are ignored).")
+  flat = {name: (layout.layer(name).flat_stack(layer) if layout.layer(name).stack else layer)
+          for name, layer in flat.items()}
   silent = {name: why for name, why in reasons.items()
             if name not in by_name and name not in masked}
   missing = {name: reasons.get(name, "no statistics were passed for it")

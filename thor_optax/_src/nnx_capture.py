@@ -224,6 +224,7 @@ def value_and_grad_with_stats(
     likelihood: Optional[str] = None,
     num_samples: int = 1,
     loss_reduction: str = "mean",
+    num_loss_terms: Optional[int] = None,
 ) -> Callable[..., Any]:
   """Loss, gradients and per-layer curvature statistics of a Flax NNX model, in one pass.
 
@@ -244,8 +245,11 @@ def value_and_grad_with_stats(
     likelihood: the predictive distribution of the sampled and exact types,
       ``'softmax_cross_entropy'`` or ``'squared_error'`` (unit-variance Gaussian).
     num_samples: ``S`` of ``'sampled'``.
-    loss_reduction: how ``loss_fn`` reduces over the leading output axes: ``'mean'`` (the
-      cotangents are rescaled to per-example ones) or ``'sum'``.
+    loss_reduction: how ``loss_fn`` reduces over its terms: ``'mean'`` (the cotangents are
+      rescaled to per-term ones) or ``'sum'``.
+    num_loss_terms: how many terms a mean loss averages (``N`` examples, ``N * T`` positions);
+      ``None`` reads it from the output's leading axes, which needs one output array of rank
+      >= 2 (a model returning a tuple, dict or dataclass, or a rank-1 array, must state it).
 
   Returns:
     ``fn(model, inputs, targets, rng=None, **call_kwargs) -> ((loss, grads), stats)``, which
@@ -272,8 +276,10 @@ def value_and_grad_with_stats(
 
   Raises:
     ValueError: on an unknown ``fisher_type``, ``likelihood`` or ``loss_reduction``, a sampled
-      or exact Fisher without a ``likelihood``, or ``num_samples < 1``; from ``fn``, for a
-      sampled Fisher called without ``rng``.
+      or exact Fisher without a ``likelihood``, ``num_samples < 1`` or a bad
+      ``num_loss_terms``; from ``fn``, for a sampled Fisher called without ``rng``, outputs
+      whose number of loss terms cannot be read from their shape, or a sampled or exact Fisher
+      of a model that does not return one array.
     TypeError: from ``fn``, if ``model`` is not an ``nnx.Module`` (e.g. a linen module: use
       ``thor_optax.flax.value_and_grad_with_stats``).
 
@@ -281,7 +287,8 @@ def value_and_grad_with_stats(
     Martens & Grosse, K-FAC, ICML 2015, section 5 (sampled targets for the true Fisher).
     kfac-jax ``tracer.py`` (output perturbations); Flax NNX functional API (split/merge/update).
   """
-  options = capture_lib.FisherOptions(fisher_type, likelihood, num_samples, loss_reduction)
+  options = capture_lib.FisherOptions(fisher_type, likelihood, num_samples, loss_reduction,
+                                      num_loss_terms)
 
   def fn(model, inputs, targets, rng=None, **call_kwargs):
     options.check_rng(rng)

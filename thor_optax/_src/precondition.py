@@ -22,10 +22,30 @@ from thor_optax._src import explicit
 from thor_optax._src import stats as stats_lib
 
 
-def factor_operator(state: Any, slot: blocks.FactorSlot, cfg: Any) -> Any:
-  """The stored damped inverse (or eigendecomposition) of the factor in ``slot``."""
-  sliced = jax.tree.map(lambda v: v[slot.start:slot.stop], state.blocks[slot.group]["inverse"])
-  return cfg.group_method(slot.group).operator(sliced)
+def _slot_blocks(state: Any, slot: blocks.FactorSlot) -> Any:
+  """The stored per-block inverse state of the factor in ``slot`` (``(num_blocks, ...)``)."""
+  return jax.tree.map(lambda v: v[slot.start:slot.stop], state.blocks[slot.group]["inverse"])
+
+
+def layer_update(spec: Any, leaves: dict, blocks_of: dict, side: Any, cfg: Any,
+                 lam: jax.Array, dtype: jnp.dtype, ready: Any) -> dict:
+  """One layer's preconditioned gradient leaves (run per layer of a stack under ``vmap``).
+
+  Args:
+    spec: the layer's ``LayerSpec`` (one layer).
+    leaves: ``{leaf name: gradient}``.
+    blocks_of: ``{'a': ..., 'g': ...}`` the per-block inverse state of its factors.
+    side: its side curvature state, or ``None``.
+    cfg, lam, dtype, ready: as in :func:`precondition`.
+  """
+  if spec.g is None:
+    return spec.kind.side_precondition(spec, leaves, side, dtype)
+  x = spec.kind.to_matrix(spec, leaves, dtype)
+  a = (cfg.group_method(spec.a.group).operator(blocks_of["a"]) if spec.a is not None
+       else spec.kind.a_operator(spec, side, cfg.method))
+  g = cfg.group_method(spec.g.group).operator(blocks_of["g"])
+  y = cfg.method.precondition(x, a, g, jnp.asarray(lam, dtype), ready)
+  return spec.kind.from_matrix(spec, y, leaves)
 
 
 def _ready(state: Any, spec: Any) -> jax.Array:
@@ -59,17 +79,22 @@ def precondition(updates: Any, state: Any, layout: blocks.BlockLayout, cfg: Any,
     # Explicit shardings (a kernel sharded over a model axis): the block-diagonal products need
     # whole rows and columns, so the leaves are gathered, and the results laid out as they were.
     leaves = {name: explicit.replicate(leaf) for name, leaf in given.items()}
+    ready = (_ready(state, spec) if cfg.method.waits_for_all_blocks and spec.g is not None
+             else True)
+    blocks_of = {which: _slot_blocks(state, slot) for which, slot in (("a", spec.a), ("g", spec.g))
+                 if slot is not None}
     side = state.layers.get(spec.name)
-    if spec.g is None:
-      new = spec.kind.side_precondition(spec, leaves, side, dtype)
+    one = spec.one_layer()
+
+    def apply(leaves, blocks_of, side, one=one):
+      return layer_update(one, leaves, blocks_of, side, cfg, lam, dtype, ready)
+
+    if spec.stack:
+      new = jax.vmap(apply)(spec.flat_stack(leaves), jax.tree.map(
+          lambda v, c=spec.copies: v.reshape((c, -1) + v.shape[1:]), blocks_of), side)
+      new = {k: v.reshape(leaves[k].shape) for k, v in new.items()}
     else:
-      x = spec.kind.to_matrix(spec, leaves, dtype)
-      a = (factor_operator(state, spec.a, cfg) if spec.a is not None
-           else spec.kind.a_operator(spec, side, cfg.method))
-      g = factor_operator(state, spec.g, cfg)
-      ready = _ready(state, spec) if cfg.method.waits_for_all_blocks else True
-      y = cfg.method.precondition(x, a, g, jnp.asarray(lam, dtype), ready)
-      new = spec.kind.from_matrix(spec, y, leaves)
+      new = apply(leaves, blocks_of, side)
     new_leaves.update({spec.path + (name,): explicit.reshard_like(leaf, given[name])
                        for name, leaf in new.items()})
 

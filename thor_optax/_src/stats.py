@@ -72,7 +72,7 @@ def flatten_layer_stats(stats: CurvatureStats | Mapping[str, Any]) -> dict[str, 
   flat, _ = jax.tree_util.tree_flatten_with_path(layers, is_leaf=is_layer_stats)
   out = {}
   for path, leaf in flat:
-    name = "/".join(path_keys(path))
+    name = layer_name(path_keys(path))
     if not is_layer_stats(leaf):
       kinds = ", ".join(k.stats_type.__name__ for k in layers_lib.registered())
       raise TypeError(
@@ -97,3 +97,16 @@ def path_keys(path: tuple[Any, ...]) -> tuple[str, ...]:
       and path[-1].name == "value"):
     path = path[:-1]
   return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
+
+
+ROOT_NAME = layers_lib.base.ROOT_NAME
+
+
+def layer_name(keys: tuple[Any, ...]) -> str:
+  """A module path as the layer name used in statistics, state and messages.
+
+  ``('Block_0', 'Dense_1')`` -> ``'Block_0/Dense_1'`` (integer keys as digits); the parameters
+  of the model's own root module (a bare ``nn.Dense`` given as the model) are named
+  ``'(root)'``.
+  """
+  return "/".join(str(k) for k in keys) or ROOT_NAME

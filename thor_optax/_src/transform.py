@@ -64,6 +64,7 @@ from thor_optax._src import damping as damping_lib
 from thor_optax._src import explicit
 from thor_optax._src import inverses
 from thor_optax._src import precondition as precondition_lib
+from thor_optax._src import replicas
 from thor_optax._src import stats as stats_lib
 from thor_optax._src.accumulators import current_batch
 from thor_optax._src.accumulators import running_average
@@ -122,10 +123,13 @@ class Curvature:
     num_buckets: static budgets of a masked refresh (``refresh_buckets``).
     dtype: dtype of the curvature, or ``None`` (from the parameters).
     block_sharding: ``NamedSharding`` of the inversion work, or ``None``.
+    axis_name: the mapped axis (or tuple of axes) across which check steps average the
+      curvature statistics (``replicas.py``), or ``None``.
 
   Raises:
     ValueError: if a piece needs what no other piece provides (naming both), or on an invalid
-      ``damping`` or ``refresh_buckets``.
+      ``damping``, ``refresh_buckets`` or ``axis_name``, or both ``axis_name`` and
+      ``block_sharding``.
   """
 
   damping_schedule: ScalarOrSchedule
@@ -139,8 +143,17 @@ class Curvature:
   num_buckets: int
   dtype: Optional[jnp.dtype]
   block_sharding: Optional[jax.sharding.NamedSharding]
+  axis_name: Optional[replicas.AxisName] = None
 
   def __post_init__(self):
+    replicas.validate(self.axis_name)
+    if replicas.names(self.axis_name) and self.block_sharding is not None:
+      raise ValueError(
+          f"axis_name={self.axis_name!r} and block_sharding cannot be combined: block_sharding "
+          "divides the inversions over a mesh with jax.shard_map under jax.jit, which cannot "
+          "run inside the mapped axis that axis_name names (jax.pmap). Under pmap every replica "
+          "inverts every block due; to divide that work, jit the step on a mesh with sharded "
+          "arrays instead (README, 'Scaling out').")
     if isinstance(self.damping_schedule, (int, float)) and not self.damping_schedule > 0:
       raise ValueError(f"damping must be positive, got {self.damping_schedule}")
     if self.num_buckets < 1:
@@ -191,7 +204,8 @@ def init_state(layout: blocks.BlockLayout, dtype: jnp.dtype, cfg: Curvature) -> 
              "record": BlockRecord(jnp.zeros((n,), dtype), jnp.zeros((n,), jnp.int32))}
     pieces = {"policy": cfg.policy.init(n, dtype), "accumulator": cfg.accumulator.init(b, n, dtype)}
     stacks[group] = {**stack, **{k: v for k, v in pieces.items() if v is not None}}
-  side = {spec.name: spec.kind.side_init(spec, dtype, cfg.method, cfg.accumulator)
+  side = {spec.name: _stacked(spec.kind.side_init(spec.one_layer(), dtype, cfg.method,
+                                                  cfg.accumulator), spec.copies, spec.stack)
           for spec in layout.layers}
   diagnostics = {
       spec.name: LayerDiagnostics(
@@ -203,6 +217,14 @@ def init_state(layout: blocks.BlockLayout, dtype: jnp.dtype, cfg: Curvature) -> 
   return KroneckerState(count=jnp.zeros((), jnp.int32), blocks=stacks,
                         layers={k: v for k, v in side.items() if v is not None},
                         accumulator=cfg.accumulator.init_global(), diagnostics=diagnostics)
+
+
+def _stacked(tree: Any, copies: int, stack: tuple[int, ...]) -> Any:
+  """One layer's state repeated for every layer of a stack, ``(copies, ...)`` (as is for a
+  single layer)."""
+  if not stack:
+    return tree
+  return jax.tree.map(lambda x: jnp.repeat(x[None], copies, axis=0), tree)
 
 
 def _check_state_matches(layout: blocks.BlockLayout, state: KroneckerState,
@@ -241,7 +263,7 @@ def _masked_modules(updates: Any) -> frozenset[str]:
   """Module paths (``'Block_0/Dense_1'``) with a leaf that ``optax.masked`` replaced."""
   flat, _ = jax.tree_util.tree_flatten_with_path(
       updates, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-  return frozenset("/".join(stats_lib.path_keys(path)[:-1]) for path, leaf in flat
+  return frozenset(stats_lib.layer_name(stats_lib.path_keys(path)[:-1]) for path, leaf in flat
                    if isinstance(leaf, optax.MaskedNode))
 
 
@@ -300,6 +322,7 @@ def scale_by_thor(
     dtype: Optional[jnp.dtype] = None,
     woodbury_rows: Optional[int] = None,
     block_sharding: Optional[jax.sharding.NamedSharding] = None,
+    axis_name: Optional[replicas.AxisName] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """THOR's natural-gradient preconditioner (trace rule, uniform blocks, split damping).
 
@@ -356,7 +379,25 @@ def scale_by_thor(
       ``O(b m)`` per column (SKFAC). ``m`` bounds the rows behind such a factor (examples x
       positions for ``A``, x cotangent samples for ``G``; after a conv's ``reduce_sum``, the
       examples): fewer rows are zero-padded exactly, more raise a ``ValueError`` naming the
-      layer.
+      layer. With ``axis_name``, the rows of all replicas together count.
+    axis_name: ``None``, or the name of the mapped axis the step runs under (a ``str``, or a
+      tuple of names for several axes), e.g. ``'batch'`` for ``jax.pmap(train_step,
+      axis_name='batch')`` (Flax's ImageNet example), or a ``jax.shard_map`` mesh axis. Every
+      check step then averages the curvature across the ``D`` replicas before deciding and
+      inverting anything (KAISA's factor all-reduce; SP-NGD's data-parallel statistics):
+      ``jax.lax.pmean`` of the ``(num_blocks,)`` block traces of every factor, the ``(n, b,
+      b)`` covariance blocks of every block stack, an embedding's ``(vocab,)`` diagonal ``A``
+      and a normalization layer's ``(C, 2, 2)`` unit-wise Fisher; ``jax.lax.all_gather(...,
+      tiled=True)`` of the ``(R, d)`` rows behind a factor inverted from its rows (Woodbury,
+      low-rank form: ``(D R, d)`` rows, scale divided by ``D``). A replica's factors average
+      over its ``N`` examples (the statistics are per example, so capture them with a
+      per-replica mean loss and ``jax.lax.pmean`` the gradients, as usual), so the average is
+      the whole batch's factor: each replica computes what one device computes on the
+      concatenated batch, and the trace rule, adaptive refresh, pi damping and inversions are
+      identical on every replica, which keep identical parameters. Plain steps communicate
+      nothing. ``axis_name=()`` keeps each replica's own curvature (no averaging, no check).
+      Not needed under ``jax.jit`` with sharded arrays (see ``block_sharding``, which cannot
+      be combined with it): the compiler reduces the statistics itself.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs`` with state :class:`KroneckerState`.
@@ -367,13 +408,24 @@ def scale_by_thor(
     the layout it was given (see :func:`thor_optax.kronecker_state_sharding`).
 
   Raises:
-    ValueError: on invalid hyperparameters or combinations (at construction); in ``update``,
+    ValueError: on invalid hyperparameters or combinations (at construction, e.g. an
+      ``axis_name`` that is not a string or tuple of strings); in ``update``,
       when statistics name a layer with no weights in the gradients, do not fit a layer's
       weights (the message names the layer path and the expected shape), have more rows than
-      ``woodbury_rows``, or the state was built for other parameters.
+      ``woodbury_rows``, or the state was built for other parameters; in a check step traced
+      inside a named mapped axis (``jax.pmap``, which always binds one, ``jax.shard_map``, a
+      named ``jax.vmap``) without ``axis_name`` (message starting ``thor_optax:``, naming the
+      bound axes and the ``axis_name=`` to pass: the replicas would otherwise each invert
+      their own shard's curvature and drift apart), or with an ``axis_name`` that is not bound
+      there. The first check asks JAX for the bound axes through
+      ``jax.extend.core.unsafe_get_axis_names_DO_NOT_USE``, the only query JAX offers; were it
+      ever removed, that check is skipped silently, so pass ``axis_name`` under ``pmap``.
 
   References:
     Chen et al., "THOR", AAAI 2021 (trace rule, hardware-driven split, split damping).
+    Pauloski et al., "KAISA", SC 2021 (factors all-reduced across data-parallel workers);
+    Osawa et al., "Scalable and Practical Natural Gradient", TPAMI 2020 (data-parallel
+    Kronecker factors and unit-wise Fisher, reduced across processes): ``axis_name``.
   """
   return kronecker_preconditioner(Curvature(
       damping_schedule=damping, block_size=block_size,
@@ -383,7 +435,7 @@ def scale_by_thor(
       damping=damping_lib.FactoredDamping(pi_damping),
       sampling=conv.ConvSampling(conv_statistics, spatial_samples),
       subsample_key=subsample_key, num_buckets=refresh_buckets, dtype=dtype,
-      block_sharding=block_sharding))
+      block_sharding=block_sharding, axis_name=axis_name))
 
 
 def scale_by_kfac(
@@ -402,6 +454,7 @@ def scale_by_kfac(
     dtype: Optional[jnp.dtype] = None,
     woodbury_rows: Optional[int] = None,
     block_sharding: Optional[jax.sharding.NamedSharding] = None,
+    axis_name: Optional[replicas.AxisName] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioner: every block refreshed at every check step, whole factors.
 
@@ -429,7 +482,8 @@ def scale_by_kfac(
       to refresh every block at every check step.
     max_refresh_interval: cap on a block's adaptive interval, in steps.
     dtype: dtype of factors and inverses (default float32, float64 for float64 parameters).
-    woodbury_rows, block_sharding: see :func:`scale_by_thor`.
+    woodbury_rows, block_sharding, axis_name: see :func:`scale_by_thor` (``axis_name``: the
+      mapped axis of ``jax.pmap`` across which check steps average the curvature statistics).
 
   Returns:
     an ``optax.GradientTransformationExtraArgs`` with state :class:`KroneckerState`.
@@ -454,4 +508,4 @@ def scale_by_kfac(
       damping=damping_lib.FactoredDamping(pi_damping),
       sampling=conv.ConvSampling(conv_statistics, spatial_samples),
       subsample_key=subsample_key, num_buckets=1 if adaptive_refresh is None else 4,
-      dtype=dtype, block_sharding=block_sharding))
+      dtype=dtype, block_sharding=block_sharding, axis_name=axis_name))

@@ -165,4 +165,6 @@ def factor_roots(rows: Any, slot: blocks.FactorSlot, idx: jax.Array) -> jax.Arra
   twice."""
   rows_all = explicit.replicate(rows.rows)
   x = jnp.take(blocks.blocked_rows(rows_all, slot), idx, axis=1)  # (R, K, b)
-  return jnp.sqrt(rows.scale) * jnp.transpose(x, (1, 2, 0))
+  scale = blocks.block_scale(rows.scale, slot)
+  scale = scale if jnp.ndim(scale) == 0 else jnp.take(scale, idx)[:, None, None]
+  return jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0))

@@ -16,7 +16,8 @@ and weight rescaling need about one kind of layer (Flax ``Dense``, ``Conv``, ``E
   factors act on and back (:meth:`to_matrix`, :meth:`from_matrix`), the example axes of its
   statistics (:attr:`example_axes`, for ``concatenate_stats``), and any side curvature it keeps
   outside the block stacks (an embedding's diagonal ``A``, a normalization layer's unit-wise
-  2x2 Fisher: :meth:`side_init`, :meth:`side_refresh`, :meth:`side_precondition`).
+  2x2 Fisher: :meth:`side_init`, :meth:`side_statistics`, :meth:`side_refresh`,
+  :meth:`side_precondition`).
 
 Kinds hold no arrays and no mutable state: they are static descriptions, compared by identity.
 
@@ -36,6 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from thor_optax._src import explicit
+
+
+ROOT_NAME = "(root)"  # the name of the parameters of the model's own root module
 
 
 class Claim(NamedTuple):
@@ -73,6 +77,10 @@ class LayerSpec:
     shapes: ``((leaf name, shape), ...)`` of the module's leaves, sorted by name.
     a: slot of the input factor ``A`` in the block stacks (``blocks.FactorSlot``), or ``None``.
     g: slot of the output factor ``G``, or ``None``.
+    stack: ``()`` for one layer; ``(L,)`` (or more axes) for a stack of layers whose
+      parameters carry these leading axes (``nn.scan`` over layers): ``shapes`` are then one
+      layer's, and every layer of the stack has its own factors, statistics and side
+      curvature, with the stack flattened to ``copies`` on a leading axis.
   """
 
   path: tuple[str, ...]
@@ -80,11 +88,42 @@ class LayerSpec:
   shapes: tuple[tuple[str, tuple[int, ...]], ...]
   a: Any = None
   g: Any = None
+  stack: tuple[int, ...] = ()
+
+  @property
+  def copies(self) -> int:
+    """Number of layers in the stack (1 for a single layer)."""
+    return int(np.prod(self.stack, dtype=np.int64))
+
+  def one_layer(self) -> "LayerSpec":
+    """The spec of one layer of a stack (itself for a single layer), for per-layer maths run
+    under ``jax.vmap`` over the stack."""
+    if not self.stack:
+      return self
+    return dataclasses.replace(self, a=self.a and self.a.one_copy(),
+                               g=self.g and self.g.one_copy(), stack=())
+
+  def flat_stack(self, tree: Any) -> Any:
+    """Every leaf of ``tree`` with the leading stack axes flattened to one, ``(copies, ...)``.
+
+    Raises:
+      ValueError: naming the layer if a leaf does not start with the stack axes.
+    """
+    def flatten(x):
+      if tuple(x.shape[:len(self.stack)]) != self.stack:
+        raise ValueError(
+            f"layer {self.name!r} is a stack of layers (its parameters have the leading axes "
+            f"{self.stack}), but an array of its statistics or state has shape {x.shape}; "
+            "capture statistics with thor_optax.flax.value_and_grad_with_stats, which gives a "
+            "scanned stack its statistics with the stack axes first.")
+      return x.reshape((self.copies,) + x.shape[len(self.stack):])
+    return jax.tree.map(flatten, tree)
 
   @property
   def name(self) -> str:
-    """``'/'``-joined module path, the layer's name in statistics, state and messages."""
-    return "/".join(self.path)
+    """``'/'``-joined module path, the layer's name in statistics, state and messages
+    (``'(root)'`` for the root module's own parameters)."""
+    return "/".join(self.path) or ROOT_NAME
 
   def shape(self, leaf: str) -> Optional[tuple[int, ...]]:
     """Shape of the module's leaf ``leaf``, or ``None``."""
@@ -163,6 +202,18 @@ class LayerKind(abc.ABC):
   def matches(self, module: Any) -> bool:
     """Whether ``module`` (a linen or NNX module instance) is of this kind."""
     return isinstance(module, self.linen_modules + self.nnx_modules)
+
+  def overridden(self, module: Any) -> tuple[str, ...]:
+    """The methods (the intercepted ones and linen's ``param``) that ``module``'s class replaces
+    in the registered class it matches: the weight it applies may then not be its parameter
+    (a weight-standardized ``nn.Conv`` overriding ``param``), so capture lists it."""
+    base_cls = next((c for c in self.linen_modules + self.nnx_modules
+                     if isinstance(module, c)), None)
+    if base_cls is None:
+      return ()
+    names = self.methods + ("param",)
+    return tuple(n for n in names if hasattr(base_cls, n)
+                 and getattr(type(module), n) is not getattr(base_cls, n))
 
   def plan(self, module: Any, methods: tuple[str, ...],
            input_shape: tuple[int, ...]) -> Plan:
@@ -248,10 +299,23 @@ class LayerKind(abc.ABC):
     del spec, dtype, method, accumulator
     return None
 
+  def side_statistics(self, spec: LayerSpec, stats: Any, dtype: jnp.dtype) -> Optional[Any]:
+    """What the side curvature of a kind without block factors is built from, or ``None``.
+
+    A pytree of arrays that are averages over the batch's examples (a normalization layer's
+    ``(C, 2, 2)`` Fisher), in ``dtype``. The check step averages it across replicas under
+    ``axis_name`` (``jax.lax.pmean``, exact for equal shards: data parallelism) and passes it to
+    :meth:`side_refresh` as ``factors``. Default: ``None`` (the kind refreshes from ``stats``
+    alone, which under ``axis_name`` are this replica's).
+    """
+    del spec, stats, dtype
+    return None
+
   def side_refresh(self, spec: LayerSpec, stats: Any, state: Any, factors: Any,
                    damping: jax.Array, method: Any, accumulator: Any) -> Any:
     """The side curvature after a check step with ``stats`` (``factors``: the layer's
-    :class:`LayerFactors`; ``damping``: ``lambda``)."""
+    :class:`LayerFactors` for a kind with block factors, else its :meth:`side_statistics`
+    averaged across replicas; ``damping``: ``lambda``)."""
     del spec, stats, factors, damping, method, accumulator
     return state
 

@@ -4,7 +4,9 @@ Their curvature is SP-NGD's unit-wise natural gradient: per channel ``c`` the 2x
 Fisher of ``(scale_c, bias_c)``, ``F_c = (1/N) sum_{s,n} [gs, gb]^T [gs, gb]`` from the
 per-example gradients ``gs = sum_t x_hat g``, ``gb = sum_t g``, damped by ``lambda`` and
 inverted in closed form. It is side curvature (:class:`UnitwiseState`), refreshed at every check
-step; nothing lives in the block stacks.
+step; nothing lives in the block stacks. Under data parallelism (``axis_name``) the Fisher of
+each replica's examples is averaged across replicas before it is damped and inverted
+(:meth:`Norm.side_statistics`).
 
 Capture records ``x_hat`` (the input normalized, before scale and bias) instead of the raw
 input (:attr:`Norm.normalized_input`); only scale and bias over the last axis are supported.
@@ -165,12 +167,19 @@ class Norm(base.LayerKind):
       return StoredUnitwiseState(eye, jnp.zeros((c, 2, 2), dtype))
     return UnitwiseState(eye)
 
-  def side_refresh(self, spec, stats, state, factors, damping, method, accumulator):
-    """The damped 2x2 inverses from this check's statistics (kept where not finite)."""
-    del factors, method
+  def side_statistics(self, spec, stats, dtype):
+    """The ``(C, 2, 2)`` unit-wise Fisher of the statistics' examples (:func:`unitwise_fisher`)."""
     self.check_stats(spec, stats)
+    return unitwise_fisher(stats.scale_grads.astype(dtype), stats.bias_grads.astype(dtype))
+
+  def side_refresh(self, spec, stats, state, factors, damping, method, accumulator):
+    """The damped 2x2 inverses from this check's Fisher (``factors``: the
+    :meth:`side_statistics` averaged across replicas; ``None``: from ``stats``), kept where not
+    finite."""
+    del method
     dtype = state.inverse.dtype
-    fisher = unitwise_fisher(stats.scale_grads.astype(dtype), stats.bias_grads.astype(dtype))
+    fisher = (self.side_statistics(spec, stats, dtype) if factors is None
+              else factors.astype(dtype))
     if accumulator.stores_factors:
       fisher = accumulator.blend(state.fisher, fisher, jnp.all(state.fisher == 0))
     inv = unitwise_inverse(fisher, damping)

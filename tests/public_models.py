@@ -1,0 +1,580 @@
+"""Tiny models written the way public Flax code writes them, for ``test_public_models.py``.
+
+Each definition follows the style of a well-known public source (not its code): the Flax
+``imagenet`` ResNet (``partial``-bound ``conv`` / ``norm`` module factories, BatchNorm with
+``use_running_average=not train``, zero-initialised last scale of a residual block), the Flax
+``lm1b`` / ``wmt`` decoder (``nn.scan`` over an ``nn.remat``-ed block with ``variable_axes=
+{'params': 0}``, pre-LayerNorm, ``MlpBlock``), ``nn.RNN(nn.LSTMCell)`` classifiers, HuggingFace
+Flax models (a tied LM head applied with ``.apply({'params': {'kernel': embedding.T}})``, outputs
+as tuples, dicts and ``flax.struct.dataclass`` output classes), BiT / ViT-hybrid weight-
+standardized convolutions (``class StdConv(nn.Conv)`` overriding ``param``), ``nn.remat``-ed
+layers, and the Flax NNX "scan over layers" pattern (``nnx.vmap`` to create a stack of layers,
+``nnx.scan`` to run it, ``nnx.remat`` around a layer).
+
+Sizes are tiny (widths 8-32, two or three layers, a few pixels or tokens) so that every model
+compiles and trains in about a second on a CPU. :data:`LINEN_MODELS` lists the linen models with
+a synthetic batch, a loss and what the capture is expected to do with them; the test file and
+``benchmarks/public_models.py`` both read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import flax
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+ModuleDef = Any
+
+
+# ------------------------------------------------------------------ (1) ResNet with BatchNorm
+
+
+class ResNetBlock(nn.Module):
+  """A basic residual block: conv-norm-act-conv-norm, projection shortcut on a shape change."""
+
+  filters: int
+  conv: ModuleDef
+  norm: ModuleDef
+  act: Callable = nn.relu
+  strides: tuple[int, int] = (1, 1)
+
+  @nn.compact
+  def __call__(self, x):
+    residual = x
+    y = self.conv(self.filters, (3, 3), self.strides)(x)
+    y = self.norm()(y)
+    y = self.act(y)
+    y = self.conv(self.filters, (3, 3))(y)
+    y = self.norm(scale_init=nn.initializers.zeros_init())(y)
+    if residual.shape != y.shape:
+      residual = self.conv(self.filters, (1, 1), self.strides, name="conv_proj")(residual)
+      residual = self.norm(name="norm_proj")(residual)
+    return self.act(residual + y)
+
+
+class ResNet(nn.Module):
+  """ResNet v1 in the style of the Flax ImageNet example, two stages of one block."""
+
+  stage_sizes: Sequence[int] = (1, 1)
+  num_filters: int = 8
+  num_classes: int = 4
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    conv = functools.partial(nn.Conv, use_bias=False)
+    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+                             epsilon=1e-5)
+    x = conv(self.num_filters, (3, 3), name="conv_init")(x)
+    x = norm(name="bn_init")(x)
+    x = nn.relu(x)
+    for i, block_size in enumerate(self.stage_sizes):
+      for j in range(block_size):
+        strides = (2, 2) if i > 0 and j == 0 else (1, 1)
+        x = ResNetBlock(self.num_filters * 2**i, strides=strides, conv=conv, norm=norm)(x)
+    x = jnp.mean(x, axis=(1, 2))
+    return nn.Dense(self.num_classes, name="head")(x)
+
+
+# ------------------------------------------------ (2) decoder-only transformer, scan over remat
+
+
+class MlpBlock(nn.Module):
+  """Transformer MLP: Dense -> gelu -> Dense back to the model width."""
+
+  mlp_dim: int
+
+  @nn.compact
+  def __call__(self, inputs):
+    x = nn.Dense(self.mlp_dim)(inputs)
+    x = nn.gelu(x)
+    return nn.Dense(inputs.shape[-1])(x)
+
+
+class DecoderBlock(nn.Module):
+  """Pre-LayerNorm decoder block with causal self-attention; ``(carry, _) -> (carry, None)``
+  so that ``nn.scan`` can stack it."""
+
+  num_heads: int
+  mlp_dim: int
+
+  @nn.compact
+  def __call__(self, x, _):
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:-1], jnp.int32))
+    y = nn.LayerNorm()(x)
+    y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, deterministic=True)(
+        y, mask=mask)
+    x = x + y
+    y = nn.LayerNorm()(x)
+    y = MlpBlock(self.mlp_dim)(y)
+    return x + y, None
+
+
+class AddPositionEmbs(nn.Module):
+  """Learned position embeddings added to the token embeddings."""
+
+  max_len: int
+
+  @nn.compact
+  def __call__(self, inputs):
+    pe = self.param("pos_embedding", nn.initializers.normal(stddev=0.02),
+                    (1, self.max_len, inputs.shape[-1]))
+    return inputs + pe[:, :inputs.shape[1]]
+
+
+class DecoderLM(nn.Module):
+  """Decoder-only LM: ``nn.scan(nn.remat(DecoderBlock))`` over ``num_layers`` layers; returns
+  logits ``(N, T, vocab_size)``."""
+
+  vocab_size: int = 16
+  emb_dim: int = 16
+  num_heads: int = 2
+  mlp_dim: int = 32
+  num_layers: int = 2
+  max_len: int = 8
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab_size, self.emb_dim, name="embed")(tokens)
+    x = AddPositionEmbs(self.max_len, name="posembed")(x)
+    stack = nn.scan(nn.remat(DecoderBlock), variable_axes={"params": 0},
+                    split_rngs={"params": True}, length=self.num_layers)
+    x, _ = stack(self.num_heads, self.mlp_dim, name="decoder")(x, None)
+    x = nn.LayerNorm(name="ln_f")(x)
+    return nn.Dense(self.vocab_size, name="logits")(x)
+
+
+class UnrolledMlpStack(nn.Module):
+  """``num_layers`` residual ``LayerNorm -> MlpBlock`` layers, unrolled (the reference for the
+  same layers under ``nn.scan``)."""
+
+  mlp_dim: int = 16
+  num_layers: int = 2
+  num_classes: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(self.num_layers):
+      x = x + MlpBlock(self.mlp_dim, name=f"mlp_{i}")(nn.LayerNorm(name=f"ln_{i}")(x))
+    return nn.Dense(self.num_classes, name="head")(x)
+
+
+class MlpLayer(nn.Module):
+  """One residual ``LayerNorm -> MlpBlock`` layer as an ``nn.scan`` body."""
+
+  mlp_dim: int
+
+  @nn.compact
+  def __call__(self, x, _):
+    return x + MlpBlock(self.mlp_dim, name="mlp")(nn.LayerNorm(name="ln")(x)), None
+
+
+class ScannedMlpStack(nn.Module):
+  """The layers of :class:`UnrolledMlpStack` as ``nn.scan(nn.remat(MlpLayer))``."""
+
+  mlp_dim: int = 16
+  num_layers: int = 2
+  num_classes: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(nn.remat(MlpLayer), variable_axes={"params": 0},
+                    split_rngs={"params": True}, length=self.num_layers)
+    x, _ = stack(self.mlp_dim, name="layers")(x, None)
+    return nn.Dense(self.num_classes, name="head")(x)
+
+
+def scanned_from_unrolled(params: dict, num_layers: int) -> dict:
+  """The parameters of :class:`ScannedMlpStack` holding those of :class:`UnrolledMlpStack`."""
+  layers = [{"ln": params[f"ln_{i}"], "mlp": params[f"mlp_{i}"]} for i in range(num_layers)]
+  return {"layers": jax.tree.map(lambda *v: jnp.stack(v), *layers), "head": params["head"]}
+
+
+# ------------------------------------------------------------------------ (3) LSTM classifier
+
+
+class LSTMClassifier(nn.Module):
+  """``nn.RNN(nn.LSTMCell)`` over ``(N, T, F)`` sequences, the last state through a Dense."""
+
+  hidden_size: int = 8
+  num_classes: int = 3
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.RNN(nn.LSTMCell(self.hidden_size), name="rnn")(x)
+    return nn.Dense(self.num_classes, name="head")(h[:, -1])
+
+
+class BareLSTM(nn.Module):
+  """Only an LSTM: the logits are the last hidden state (no layer the capture can take)."""
+
+  num_classes: int = 3
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.RNN(nn.LSTMCell(self.num_classes), name="rnn")(x)[:, -1]
+
+
+# ---------------------------------------------------------------- (4, 5) outputs as pytrees
+
+
+class MLPWithAux(nn.Module):
+  """An MLP returning ``(logits, aux)``, aux a dict of intermediate values."""
+
+  features: Sequence[int] = (16, 16)
+  num_classes: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    for i, f in enumerate(self.features):
+      x = nn.relu(nn.Dense(f, name=f"dense_{i}")(x))
+    logits = nn.Dense(self.num_classes, name="head")(x)
+    return logits, {"features": x, "feature_norm": jnp.sqrt(jnp.sum(x * x, axis=-1))}
+
+
+class MLPDictOutput(nn.Module):
+  """An MLP returning ``{'logits': ..., 'hidden_states': ...}``."""
+
+  features: int = 16
+  num_classes: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.tanh(nn.Dense(self.features, name="dense")(x))
+    return {"logits": nn.Dense(self.num_classes, name="head")(h), "hidden_states": (x, h)}
+
+
+@flax.struct.dataclass
+class ClassifierOutput:
+  """A HuggingFace-style model output: logits and optional hidden states."""
+
+  logits: jax.Array
+  hidden_states: Optional[tuple] = None
+
+
+class MLPDataclassOutput(nn.Module):
+  """An MLP returning a :class:`ClassifierOutput`."""
+
+  features: int = 16
+  num_classes: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.tanh(nn.Dense(self.features, name="dense")(x))
+    return ClassifierOutput(logits=nn.Dense(self.num_classes, name="head")(h),
+                            hidden_states=(x, h))
+
+
+# ------------------------------------------------------------------ (6) tied-embedding LM
+
+
+class TiedLM(nn.Module):
+  """A token LM whose output projection is the input embedding's table, applied through
+  ``nn.Dense(V, use_bias=False).apply({'params': {'kernel': embedding.T}}, h)``."""
+
+  vocab_size: int = 16
+  hidden_size: int = 16
+
+  def setup(self):
+    self.embed = nn.Embed(self.vocab_size, self.hidden_size)
+    self.dense = nn.Dense(self.hidden_size)
+    self.ln = nn.LayerNorm()
+    self.lm_head = nn.Dense(self.vocab_size, use_bias=False)
+
+  def __call__(self, tokens):
+    h = self.embed(tokens)
+    h = self.ln(h + nn.gelu(self.dense(h)))
+    return self.lm_head.apply({"params": {"kernel": self.embed.embedding.T}}, h)
+
+
+# ------------------------------------------------------------ (7) a bare Dense as the model
+
+
+def bare_dense(num_classes: int = 4) -> nn.Module:
+  """``nn.Dense`` itself given as the model: its parameters are at the root (``'(root)'``)."""
+  return nn.Dense(num_classes)
+
+
+# -------------------------------------------------------- (8) weight-standardized convolution
+
+
+class StdConv(nn.Conv):
+  """Convolution with weight standardization (BiT): the kernel is standardized in ``param``."""
+
+  def param(self, name: str, *args, **kwargs):
+    """The parameter ``name``; the kernel comes back standardized over its fan-in."""
+    param = super().param(name, *args, **kwargs)
+    if name == "kernel":
+      param = param - jnp.mean(param, axis=(0, 1, 2), keepdims=True)
+      param = param / (jnp.std(param, axis=(0, 1, 2), keepdims=True) + 1e-5)
+    return param
+
+
+class StdConvNet(nn.Module):
+  """``StdConv`` root, then a plain conv and a Dense head."""
+
+  width: int = 8
+  num_classes: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(StdConv(self.width, (3, 3), use_bias=False, name="conv_root")(x))
+    x = nn.relu(nn.Conv(self.width, (3, 3), strides=(2, 2), name="conv_1")(x))
+    return nn.Dense(self.num_classes, name="head")(jnp.mean(x, axis=(1, 2)))
+
+
+# ------------------------------------------------------------------- (9) rank-1 regression
+
+
+class Regressor(nn.Module):
+  """An MLP regressor returning ``nn.Dense(1)(x)[..., 0]`` (rank 1), or ``(N, 1)`` with
+  ``squeeze=False``."""
+
+  features: Sequence[int] = (16, 16)
+  squeeze: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    for i, f in enumerate(self.features):
+      x = nn.tanh(nn.Dense(f, name=f"dense_{i}")(x))
+    out = nn.Dense(1, name="out")(x)
+    return out[..., 0] if self.squeeze else out
+
+
+# ---------------------------------------------------------------------- (10) nn.remat layers
+
+
+class RematMLP(nn.Module):
+  """An MLP whose Dense layers are ``nn.remat(nn.Dense)`` (plain ``nn.Dense`` with
+  ``remat=False``; the layers are named, so both have the same parameter tree)."""
+
+  features: Sequence[int] = (16, 16)
+  num_classes: int = 4
+  remat: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    dense = nn.remat(nn.Dense) if self.remat else nn.Dense
+    for i, f in enumerate(self.features):
+      x = nn.tanh(dense(f, name=f"dense_{i}")(x))
+    return dense(self.num_classes, name="head")(x)
+
+
+# ------------------------------------------------------------ (11) NNX: nnx.scan / nnx.remat
+
+
+class NNXBlock(nnx.Module):
+  """A residual ``Linear -> tanh`` block."""
+
+  def __init__(self, width: int, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(width, width, rngs=rngs)
+
+  def __call__(self, x):
+    return x + jnp.tanh(self.linear(x))
+
+
+class NNXScanMLP(nnx.Module):
+  """NNX MLP: a stack of :class:`NNXBlock` made by ``nnx.vmap`` and run by ``nnx.scan``, one
+  layer run under ``nnx.remat``, and plain input and output layers."""
+
+  def __init__(self, din: int, width: int, depth: int, num_classes: int, rngs: nnx.Rngs):
+    self.proj = nnx.Linear(din, width, rngs=rngs)
+
+    @nnx.split_rngs(splits=depth)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_blocks(rngs):
+      return NNXBlock(width, rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.mid = nnx.Linear(width, width, rngs=rngs)
+    self.head = nnx.Linear(width, num_classes, rngs=rngs)
+
+  def __call__(self, x):
+    x = jnp.tanh(self.proj(x))
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def forward(x, block):
+      return block(x)
+
+    x = forward(x, self.blocks)
+    x = jnp.tanh(nnx.remat(lambda layer, h: layer(h))(self.mid, x))
+    return self.head(x)
+
+
+# ------------------------------------------------------------------------ data and losses
+
+
+def softmax_ce(logits, labels):
+  """Softmax cross-entropy with integer labels, averaged over every position."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def squared_error(pred, y):
+  """``0.5 (pred - y)^2`` averaged over examples (any matching shapes)."""
+  return 0.5 * jnp.mean(jnp.sum(jnp.reshape((pred - y) ** 2, (pred.shape[0], -1)), axis=-1))
+
+
+def classification_batch(seed: int, shape: Sequence[int], num_classes: int, label_shape=None):
+  """A fixed synthetic batch: normal inputs of ``shape`` and labels that depend on them."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape).astype(np.float32)
+  n = shape[0]
+  w = rng.standard_normal((int(np.prod(shape[1:])), num_classes))
+  y = np.argmax(x.reshape(n, -1) @ w, axis=-1)
+  if label_shape is not None:
+    y = rng.integers(0, num_classes, label_shape)
+  return jnp.asarray(x), jnp.asarray(y)
+
+
+def token_batch(seed: int, n: int, t: int, vocab: int):
+  """Token sequences and next-token targets (a fixed random permutation of the inputs)."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab, (n, t))
+  perm = rng.permutation(vocab)
+  return jnp.asarray(tokens), jnp.asarray(perm[tokens])
+
+
+def regression_batch(seed: int, n: int, d: int):
+  """Inputs ``(n, d)`` and a smooth scalar target ``(n,)``."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((n, d)).astype(np.float32)
+  y = np.sin(x @ rng.standard_normal(d)).astype(np.float32)
+  return jnp.asarray(x), jnp.asarray(y)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """A linen model with its batch, loss and expected capture.
+
+  Attributes:
+    name: short name.
+    model: the linen module.
+    make_batch: ``() -> (inputs, targets)``.
+    loss_fn: ``loss_fn(outputs, targets)`` on the model's outputs as it returns them.
+    preconditioned: layer names expected to be preconditioned.
+    unhandled: ``{layer name: words its reason must contain}``.
+    capture_kwargs: keywords of ``value_and_grad_with_stats`` (``num_loss_terms``).
+    batch_stats: whether the model has a ``batch_stats`` collection (``train=True`` then).
+    learning_rate: the optimizer's learning rate.
+  """
+
+  name: str
+  model: nn.Module
+  make_batch: Callable[[], tuple]
+  loss_fn: Callable
+  preconditioned: frozenset
+  unhandled: dict
+  capture_kwargs: dict = dataclasses.field(default_factory=dict)
+  batch_stats: bool = False
+  learning_rate: float = 0.05
+
+
+_ATTN = ("query", "key", "value", "out")
+_LSTM_GATES = ("ii", "if", "ig", "io", "hi", "hf", "hg", "ho")
+
+LINEN_MODELS: dict[str, Case] = {c.name: c for c in [
+    Case("resnet", ResNet(), lambda: classification_batch(0, (8, 6, 6, 3), 4), softmax_ce,
+         frozenset({"conv_init", "bn_init", "head"}
+                   | {f"ResNetBlock_0/{m}" for m in ("Conv_0", "Conv_1", "BatchNorm_0",
+                                                     "BatchNorm_1")}
+                   | {f"ResNetBlock_1/{m}" for m in ("Conv_0", "Conv_1", "BatchNorm_0",
+                                                     "BatchNorm_1", "conv_proj", "norm_proj")}),
+         {}, batch_stats=True, learning_rate=0.1),
+    Case("transformer", DecoderLM(), lambda: token_batch(1, 4, 8, 16), softmax_ce,
+         frozenset({"embed", "ln_f", "logits", "decoder/LayerNorm_0", "decoder/LayerNorm_1",
+                    "decoder/MlpBlock_0/Dense_0", "decoder/MlpBlock_0/Dense_1"}),
+         {**{f"decoder/MultiHeadDotProductAttention_0/{p}": "not supported" for p in _ATTN},
+          "posembed": "not supported"}),
+    Case("lstm", LSTMClassifier(), lambda: classification_batch(2, (8, 5, 3), 3), softmax_ce,
+         frozenset({"head"}), {f"LSTMCell_0/{g}": "weight sharing" for g in _LSTM_GATES}),
+    Case("mlp_aux", MLPWithAux(), lambda: classification_batch(3, (16, 6), 4),
+         lambda out, y: softmax_ce(out[0], y),
+         frozenset({"dense_0", "dense_1", "head"}), {}, dict(num_loss_terms=16)),
+    Case("dict_output", MLPDictOutput(), lambda: classification_batch(4, (16, 6), 4),
+         lambda out, y: softmax_ce(out["logits"], y),
+         frozenset({"dense", "head"}), {}, dict(num_loss_terms=16)),
+    Case("dataclass_output", MLPDataclassOutput(), lambda: classification_batch(5, (16, 6), 4),
+         lambda out, y: softmax_ce(out.logits, y),
+         frozenset({"dense", "head"}), {}, dict(num_loss_terms=16)),
+    Case("tied_lm", TiedLM(), lambda: token_batch(6, 4, 6, 16), softmax_ce,
+         frozenset({"dense", "ln"}), {"embed": ".apply()"}),
+    Case("bare_dense", bare_dense(), lambda: classification_batch(7, (16, 6), 4), softmax_ce,
+         frozenset({"(root)"}), {}, learning_rate=0.2),
+    Case("std_conv", StdConvNet(), lambda: classification_batch(8, (8, 6, 6, 3), 4),
+         softmax_ce, frozenset({"conv_1", "head"}), {"conv_root": "overrides param"}),
+    Case("regression", Regressor(), lambda: regression_batch(9, 16, 4), squared_error,
+         frozenset({"dense_0", "dense_1", "out"}), {}, dict(num_loss_terms=16)),
+    Case("remat", RematMLP(), lambda: classification_batch(10, (16, 6), 4), softmax_ce,
+         frozenset({"dense_0", "dense_1", "head"}), {}),
+]}
+
+
+# ------------------------------------------------------------------ the README's training steps
+
+# ``jax.jit(..., compiler_options=FAST_COMPILE)`` compiles 2-3x faster on CPU: XLA's backend
+# optimizations and CPU fusion emitters off. The tests use it (compiling is most of their run
+# time); the benchmark times steps compiled with the defaults.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+def init_case(case: Case, seed: int = 0) -> tuple[Any, dict, tuple]:
+  """``(params, model_state, (inputs, targets))`` of a case: its initial parameters, its other
+  collections (``{'batch_stats': ...}`` or ``{}``) and its fixed batch."""
+  x, y = case.make_batch()
+  # Compiled once with FAST_COMPILE: the random initializers compile about 15x faster so (from
+  # seconds for the ResNet), and run once.
+  init = jax.jit(case.model.init, compiler_options=FAST_COMPILE)
+  variables = init(jax.random.PRNGKey(seed), x)
+  state = {k: v for k, v in variables.items() if k != "params"}
+  return variables["params"], state, (x, y)
+
+
+def make_steps(case: Case, tx: optax.GradientTransformation,
+               on_stats: Optional[Callable[[Any], None]] = None) -> tuple[Callable, Callable]:
+  """The README's ``(check_step, plain_step)`` for a case, not jitted.
+
+  Both are ``step(params, model_state, opt_state, x, y) -> (params, model_state, opt_state,
+  loss)``. The check step captures the statistics and passes them as ``curvature_stats``; the
+  plain step differentiates ``loss_fn(model.apply(...))`` and calls ``tx.update`` without them
+  (with ``optax.sgd`` as ``tx`` it is a plain SGD step). A model with ``batch_stats`` runs in
+  training mode and its running averages are updated. ``on_stats``, if given, is called with
+  the check step's ``CurvatureStats`` when the step is traced (its static ``unhandled`` is
+  readable there).
+  """
+  from thor_optax.flax import value_and_grad_with_stats  # pylint: disable=import-outside-toplevel
+
+  model, loss_fn = case.model, case.loss_fn
+  capture = value_and_grad_with_stats(model, loss_fn, **case.capture_kwargs)
+  mutable = ("batch_stats",) if case.batch_stats else False
+
+  def check_step(params, model_state, opt_state, x, y):
+    if mutable:
+      (loss, grads), stats, model_state = capture(params, x, y, model_state=model_state,
+                                                  mutable=mutable)
+    else:
+      (loss, grads), stats = capture(params, x, y, model_state=model_state)
+    if on_stats is not None:
+      on_stats(stats)
+    updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), model_state, opt_state, loss
+
+  def plain_step(params, model_state, opt_state, x, y):
+    def loss_of(p):
+      variables = {"params": p, **model_state}
+      if mutable:
+        out, new_state = model.apply(variables, x, mutable=list(mutable))
+        return loss_fn(out, y), new_state
+      return loss_fn(model.apply(variables, x), y), model_state
+
+    (loss, new_state), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_state, opt_state, loss
+
+  return check_step, plain_step
