@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from thor_optax._src import explicit
 from thor_optax._src import stats as stats_lib
 
 
@@ -286,7 +287,10 @@ def block_covariances(rows: jax.Array, scale: jax.Array | float, slot: FactorSlo
   x = jnp.take(blocked_rows(rows, slot), idx, axis=1)
   scale = block_scale(scale, slot)
   scale = scale if jnp.ndim(scale) == 0 else jnp.take(scale, idx)[:, None, None]
-  return scale * jnp.einsum("rkb,rkc->kbc", x, x)
+  # Under an explicit-sharding mesh the examples axis ``R`` may be sharded: the contraction
+  # over it gives replicated blocks (the compiler's all-reduce).
+  return scale * jnp.einsum("rkb,rkc->kbc", x, x,
+                            out_sharding=explicit.contraction_sharding(x))
 
 
 def left_multiply(blocks: jax.Array, x: jax.Array) -> jax.Array:

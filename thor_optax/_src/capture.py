@@ -80,7 +80,7 @@ def primary_input(args: tuple, kwargs: dict) -> Any:
 
 def _module_paths(params: Any) -> set[tuple[str, ...]]:
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
-  return {stats_lib.path_keys(path[:-1]) for path, _ in flat}
+  return {stats_lib.path_keys(path)[:-1] for path, _ in flat}
 
 
 def output_cotangents(outputs: jax.Array, dloss: jax.Array, n_examples: int, fisher_type: str,

@@ -36,6 +36,7 @@ import numpy as np
 
 from thor_optax._src import blocks
 from thor_optax._src import damping as damping_lib
+from thor_optax._src import explicit
 from thor_optax._src import replicas
 from thor_optax._src import stats as stats_lib
 from thor_optax._src.layers import base as layer_base
@@ -98,6 +99,8 @@ def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam
   replicas.check_axis(cfg.axis_name)
   dtype = state_dtype(state)
   flat = statistics_by_layer(curvature_stats, layout, masked)
+  kinds = {spec.name: spec.kind for spec in layout.layers}
+  flat = {name: explicit.align_examples(s, kinds[name].example_axes) for name, s in flat.items()}
   key = None if cfg.subsample_key is None else replicas.fold_in(
       jax.random.fold_in(cfg.subsample_key, state.count), cfg.axis_name)
   lam = jnp.asarray(lam, dtype)

@@ -64,8 +64,11 @@ def kl_clip_factor(updates: Any, grads: Any, learning_rate: Any, max_kl: Any) ->
     scalar ``nu`` (float32, float64 for float64 trees) in ``(0, 1]``; exactly 1 when the
     denominator ``|lr^2 <u, g>|`` is 0 or not finite.
   """
-  vg = jnp.asarray(optax.tree_utils.tree_vdot(_at_least_float32(updates),
-                                              _at_least_float32(grads)))
+  # Elementwise products and sums, not ``optax.tree_utils.tree_vdot``: a dot product over an
+  # axis sharded with an explicit sharding (a kernel split over a model axis) is rejected.
+  products = jax.tree_util.tree_map(lambda u, g: jnp.sum(u * g), _at_least_float32(updates),
+                                    _at_least_float32(grads))
+  vg = jnp.asarray(sum(jax.tree_util.tree_leaves(products), jnp.zeros((), jnp.float32)))
   vg = vg.astype(jnp.promote_types(vg.dtype, jnp.float32))
   lr = jnp.asarray(learning_rate, vg.dtype)
   denom = jnp.abs(lr * lr * vg)

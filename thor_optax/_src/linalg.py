@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from thor_optax._src import explicit
+
 
 def damp(blocks: jax.Array, damping: jax.Array, real: jax.Array) -> jax.Array:
   """Adds ``damping`` to the true diagonal and 1 to the padded diagonal of each block.
@@ -160,6 +162,9 @@ def on_shards(fn: Callable[..., Any], sharding: Optional[jax.sharding.NamedShard
   ``jax.shard_map`` on ``ceil(K / D)`` blocks per device (KAISA's layer-wise distribution of
   the inversion work; THOR's uniform blocks make the shares even). The results are gathered
   where the optimizer state's sharding puts them. ``None`` runs ``fn`` as is.
+
+  Under an explicit-sharding mesh the stacks are resharded to ``sharding`` before the
+  ``shard_map`` and the results are returned replicated (the layout the stacks came in).
   """
   if sharding is None:
     return fn(*stacks)
@@ -169,5 +174,11 @@ def on_shards(fn: Callable[..., Any], sharding: Optional[jax.sharding.NamedShard
   k = stacks[0].shape[0]
   pad = -k % devices
   padded = [jnp.concatenate([x, jnp.repeat(x[:1], pad, axis=0)]) if pad else x for x in stacks]
+  typed = explicit.explicit_mesh(stacks[0]) is not None
+  if typed:  # explicit shardings: the stacks' types must say what in_specs says
+    padded = [jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, spec))
+              for x in padded]
   out = jax.shard_map(fn, mesh=sharding.mesh, in_specs=spec, out_specs=spec)(*padded)
+  if typed:  # gathered, as the stacks came in
+    out = jax.tree.map(explicit.replicate, out)
   return jax.tree.map(lambda y: y[:k], out)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from thor_optax._src import blocks
+from thor_optax._src import explicit
 from thor_optax._src import stats as stats_lib
 
 
@@ -67,13 +68,17 @@ def precondition(updates: Any, state: Any, layout: blocks.BlockLayout, cfg: Any,
     dtype: the curvature's dtype (gradients are cast to it and back).
 
   Returns:
-    a tree like ``updates``.
+    a tree like ``updates``; under an explicit-sharding mesh every preconditioned leaf has the
+    sharding of the gradient leaf it replaces.
   """
   flat = {stats_lib.path_keys(path): leaf
           for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]}
   new_leaves = {}
   for spec in layout.layers:
-    leaves = {name: flat[spec.path + (name,)] for name, _ in spec.shapes}
+    given = {name: flat[spec.path + (name,)] for name, _ in spec.shapes}
+    # Explicit shardings (a kernel sharded over a model axis): the block-diagonal products need
+    # whole rows and columns, so the leaves are gathered, and the results laid out as they were.
+    leaves = {name: explicit.replicate(leaf) for name, leaf in given.items()}
     ready = (_ready(state, spec) if cfg.method.waits_for_all_blocks and spec.g is not None
              else True)
     blocks_of = {which: _slot_blocks(state, slot) for which, slot in (("a", spec.a), ("g", spec.g))
@@ -90,7 +95,8 @@ def precondition(updates: Any, state: Any, layout: blocks.BlockLayout, cfg: Any,
       new = {k: v.reshape(leaves[k].shape) for k, v in new.items()}
     else:
       new = apply(leaves, blocks_of, side)
-    new_leaves.update({spec.path + (name,): leaf for name, leaf in new.items()})
+    new_leaves.update({spec.path + (name,): explicit.reshard_like(leaf, given[name])
+                       for name, leaf in new.items()})
 
   def pick(path, leaf):
     return new_leaves.get(stats_lib.path_keys(path), leaf)

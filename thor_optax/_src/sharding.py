@@ -28,14 +28,31 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from thor_optax._src import transform
 
 
-def kronecker_state_sharding(opt_state: Any, mesh: Mesh,
-                             block_axis: Optional[str] = None) -> Any:
+def _boxed_sharding(box: Any, mesh: Mesh, rules: Any) -> NamedSharding:
+  """The ``NamedSharding`` of a ``nn.Partitioned`` / ``nn.LogicallyPartitioned`` leaf."""
+  if isinstance(box, nn.LogicallyPartitioned):
+    spec = nn.logical_to_mesh_axes(box.names, rules if rules is not None else box.rules)
+  else:
+    spec = box.get_partition_spec()
+  missing = [a for entry in spec if entry is not None
+             for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in mesh.shape]
+  if missing:
+    raise ValueError(
+        f"kronecker_state_sharding: an optimizer state leaf boxed as {type(box).__name__} "
+        f"with names {box.names} is sharded as {spec}, but {missing} are not axes of the mesh "
+        f"{dict(mesh.shape)}.")
+  return NamedSharding(mesh, spec)
+
+
+def kronecker_state_sharding(opt_state: Any, mesh: Mesh, block_axis: Optional[str] = None,
+                             rules: Any = None) -> Any:
   """A pytree of ``NamedSharding`` for an optimizer state holding :class:`KroneckerState`\\ s.
 
   Use it as the ``out_shardings`` (and ``in_shardings``) of the optimizer state in a jitted
@@ -51,12 +68,31 @@ def kronecker_state_sharding(opt_state: Any, mesh: Mesh,
       or HYBRID-OPT on a 2-D mesh); a stack whose ``n`` is not a multiple of the axis size is
       replicated, as are all other leaves (step counts, diagnostics, embeddings' diagonals,
       normalization layers' 2x2 blocks).
+    rules: logical axis rules ``((logical name, mesh axis), ...)`` for leaves boxed as
+      ``nn.LogicallyPartitioned``; ``None``: the box's own rules, else those of the enclosing
+      ``flax.linen.logical_axis_rules`` (names without a rule are not sharded, as in Flax).
+
+  Leaves outside the ``KroneckerState`` nodes that are boxed like parameters
+  (``nn.Partitioned``, ``nn.LogicallyPartitioned``: e.g. the momentum of :func:`thor_optax.thor`
+  for parameters that ``model.init`` returned boxed) get their parameters' sharding (names as
+  mesh axes; logical names resolved by ``rules``), inside the same box; other leaves are
+  replicated. A ``KroneckerState`` holds no parameter-shaped leaf, so Flax's recipe,
+  ``nn.logical_to_mesh_sharding(nn.get_partition_spec(jax.eval_shape(tx.init, params)), mesh,
+  rules)``, gives the same shardings as ``block_axis=None`` (that recipe reads every box's names
+  as logical names: its ``rules`` must also map the mesh axis names of ``nn.Partitioned`` boxes,
+  e.g. ``("model", "model")``).
+
+  Under an explicit-sharding mesh (``AxisType.Explicit``), ``jax.device_put`` the state with
+  these shardings: ``update`` returns every leaf with the sharding it was given (a state whose
+  block stacks are sharded is gathered for the step and sharded again).
 
   Returns:
-    a pytree of ``jax.sharding.NamedSharding`` with the structure of ``opt_state``.
+    a pytree of ``jax.sharding.NamedSharding`` with the structure of ``opt_state`` (boxes
+    included).
 
   Raises:
-    ValueError: if ``block_axis`` is not an axis of ``mesh``.
+    ValueError: if ``block_axis`` is not an axis of ``mesh``, or a boxed leaf is sharded over
+      an axis that is not in ``mesh``.
   """
   if block_axis is not None and block_axis not in mesh.shape:
     raise ValueError(f"block_axis {block_axis!r} is not an axis of the mesh "
@@ -69,11 +105,15 @@ def kronecker_state_sharding(opt_state: Any, mesh: Mesh,
     return blocked if block_axis and n and n % mesh.shape[block_axis] == 0 else replicated
 
   def node(x):
+    if isinstance(x, nn.Partitioned):  # boxed like a parameter: sharded as the parameter
+      return x.replace_boxed(_boxed_sharding(x, mesh, rules))
     if not isinstance(x, transform.KroneckerState):
       return replicated
     # Every leaf of a block stack has the block index on axis 0; the rest is replicated.
     everything = jax.tree.map(lambda _: replicated, x)
     return everything._replace(blocks=jax.tree.map(stack, x.blocks))
 
-  return jax.tree.map(node, opt_state,
-                      is_leaf=lambda x: isinstance(x, transform.KroneckerState))
+  def is_node(x):
+    return isinstance(x, (transform.KroneckerState, nn.Partitioned))
+
+  return jax.tree.map(node, opt_state, is_leaf=is_node)

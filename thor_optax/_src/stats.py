@@ -86,9 +86,12 @@ def path_keys(path: tuple[Any, ...]) -> tuple[str, ...]:
   """A pytree key path as plain strings (``(DictKey('a'), DictKey('b'))`` -> ``('a', 'b')``).
 
   Integer keys (``nnx.List`` items) become digits (``DictKey(0)`` -> ``'0'``). A trailing
-  ``GetAttrKey('value')``, the child of a Flax NNX ``Variable`` (an ``nnx.State`` of ``Param``
-  leaves, as ``nnx.Optimizer`` passes to ``tx.init``), is dropped, so that a parameter has the
-  same path whether it is held by a ``Variable`` or is a plain array (``nnx.as_pure``).
+  ``GetAttrKey('value')``, the child of a box, is dropped: of a Flax NNX ``Variable`` (an
+  ``nnx.State`` of ``Param`` leaves, as ``nnx.Optimizer`` passes to ``tx.init``) or of a linen
+  ``nn.Partitioned`` / ``nn.LogicallyPartitioned`` (``model.init`` with
+  ``nn.with_partitioning``), so that a parameter has the same path whether it is boxed or a
+  plain array. The module of a leaf is therefore ``path_keys(path)[:-1]``, never
+  ``path_keys(path[:-1])``.
   """
   if (path and isinstance(path[-1], jax.tree_util.GetAttrKey)
       and path[-1].name == "value"):

@@ -61,6 +61,7 @@ import optax
 from thor_optax._src import blocks
 from thor_optax._src import check_step as check_lib
 from thor_optax._src import damping as damping_lib
+from thor_optax._src import explicit
 from thor_optax._src import inverses
 from thor_optax._src import precondition as precondition_lib
 from thor_optax._src import replicas
@@ -262,7 +263,7 @@ def _masked_modules(updates: Any) -> frozenset[str]:
   """Module paths (``'Block_0/Dense_1'``) with a leaf that ``optax.masked`` replaced."""
   flat, _ = jax.tree_util.tree_flatten_with_path(
       updates, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-  return frozenset(stats_lib.layer_name(stats_lib.path_keys(path[:-1])) for path, leaf in flat
+  return frozenset(stats_lib.layer_name(stats_lib.path_keys(path)[:-1]) for path, leaf in flat
                    if isinstance(leaf, optax.MaskedNode))
 
 
@@ -278,12 +279,18 @@ def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtr
     del params, extra_args
     layout = cfg.layout(updates)
     _check_state_matches(layout, state, cfg)
+    given = state
+    # A state laid out with explicit shardings (block stacks sharded over a mesh axis,
+    # kronecker_state_sharding's MEM-OPT) is gathered for the step (slices of a layer's blocks
+    # need not fall on shard boundaries) and returned laid out as it came.
+    state = jax.tree.map(explicit.replicate, state)
     lam = cfg.lam(state.count)
     if curvature_stats is not None:
       state = check_lib.check_step(state, layout, curvature_stats, lam, cfg,
                                    _masked_modules(updates))
     updates = precondition_lib.precondition(updates, state, layout, cfg, lam,
                                             check_lib.state_dtype(state))
+    state = jax.tree.map(explicit.reshard_like, state, given)
     return updates, state._replace(count=optax.safe_int32_increment(state.count))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -394,6 +401,11 @@ def scale_by_thor(
 
   Returns:
     an ``optax.GradientTransformationExtraArgs`` with state :class:`KroneckerState`.
+    Parameters and gradients may be boxed (``nn.Partitioned`` / ``nn.LogicallyPartitioned``
+    leaves, NNX ``Variable`` objects): layers are found by module path as for plain arrays, and
+    the updates have the gradients' tree structure, boxes included. Under an explicit-sharding
+    mesh (``AxisType.Explicit``) every update has its gradient's sharding and the state keeps
+    the layout it was given (see :func:`thor_optax.kronecker_state_sharding`).
 
   Raises:
     ValueError: on invalid hyperparameters or combinations (at construction, e.g. an

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from thor_optax._src import blocks
+from thor_optax._src import explicit
 from thor_optax._src import linalg
 
 
@@ -159,8 +160,11 @@ def cholesky_refresh(covariance, damping, real, sharding):
 
 def factor_roots(rows: Any, slot: blocks.FactorSlot, idx: jax.Array) -> jax.Array:
   """``U (K, b, R)`` of the blocks ``idx``: block ``k`` of ``scale rows^T rows`` is
-  ``U_k U_k^T`` (SKFAC's low-rank form)."""
-  x = jnp.take(blocks.blocked_rows(rows.rows, slot), idx, axis=1)  # (R, K, b)
+  ``U_k U_k^T`` (SKFAC's low-rank form). Under an explicit-sharding mesh the rows are gathered
+  first: ``U``'s row axis is an axis of the ``R x R`` Woodbury cores, which cannot be sharded
+  twice."""
+  rows_all = explicit.replicate(rows.rows)
+  x = jnp.take(blocks.blocked_rows(rows_all, slot), idx, axis=1)  # (R, K, b)
   scale = blocks.block_scale(rows.scale, slot)
   scale = scale if jnp.ndim(scale) == 0 else jnp.take(scale, idx)[:, None, None]
   return jnp.sqrt(scale) * jnp.transpose(x, (1, 2, 0))

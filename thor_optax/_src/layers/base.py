@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from thor_optax._src import explicit
+
 
 ROOT_NAME = "(root)"  # the name of the parameters of the model's own root module
 
@@ -261,7 +263,7 @@ class LayerKind(abc.ABC):
     averaging over the ``N T`` examples x positions and summing over the ``S`` samples."""
     g = stats.cotangents
     n_positions = int(np.prod(g.shape[1:-1]))
-    rows = g.reshape(-1, g.shape[-1]).astype(dtype)
+    rows = explicit.flatten_rows(g).astype(dtype)
     return FactorRows(rows, jnp.asarray(1.0 / n_positions, dtype))
 
   def to_matrix(self, spec: LayerSpec, leaves: Mapping[str, jax.Array],

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from thor_optax._src import explicit
 from thor_optax._src.layers import base
 from thor_optax._src.layers import dense
 
@@ -309,7 +310,7 @@ class Conv(base.LayerKind):
     if sampling.mode == "reduce_sum":
       rows = jnp.sum(x, axis=1)
       if spec.has_bias:
-        rows = jnp.concatenate([rows, jnp.full((n, 1), t, dtype)], axis=1)
+        rows = jnp.concatenate([rows, jnp.full_like(rows[:, :1], t)], axis=1)
       return base.FactorRows(rows, jnp.asarray(1.0 / (n * t), dtype))
     s = _check_subsample(spec, sampling, t)
     idx = subsample_positions(key, n, t, s)
@@ -329,9 +330,9 @@ class Conv(base.LayerKind):
     t = int(np.prod(g.shape[2:-1]))
     g = g.reshape(n_samples, n, t, c).astype(dtype)
     if sampling.mode == "reduce_sum":
-      rows = jnp.sum(g, axis=2).reshape(n_samples * n, c)
+      rows = explicit.flatten_rows(jnp.sum(g, axis=2))
       return base.FactorRows(rows, jnp.asarray(1.0 / (n * t), dtype))
     s = _check_subsample(spec, sampling, t)
     idx = subsample_positions(key, n, t, s)
-    rows = jnp.take_along_axis(g, idx[None, :, :, None], axis=2).reshape(n_samples * n * s, c)
+    rows = explicit.flatten_rows(jnp.take_along_axis(g, idx[None, :, :, None], axis=2))
     return base.FactorRows(rows, jnp.asarray(1.0 / (n * s), dtype))

@@ -45,7 +45,7 @@ class DenseStats:
 
 def with_ones(rows: jax.Array) -> jax.Array:
   """``(R, d)`` rows with a ones column appended (the bias input)."""
-  return jnp.concatenate([rows, jnp.ones((rows.shape[0], 1), rows.dtype)], axis=1)
+  return jnp.concatenate([rows, jnp.ones_like(rows[:, :1])], axis=1)
 
 
 def check_cotangents(spec: base.LayerSpec, stats) -> None:

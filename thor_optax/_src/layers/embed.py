@@ -23,6 +23,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from thor_optax._src import explicit
 from thor_optax._src.layers import base
 from thor_optax._src.layers import dense
 
@@ -69,8 +70,9 @@ class StoredDiagonalState(NamedTuple):
 def embedding_frequencies(spec: base.LayerSpec, stats: EmbedStats,
                           dtype: jnp.dtype) -> jax.Array:
   """``(vocab,)`` diagonal of ``A``: token counts per example (ids outside ``[0, vocab)`` are
-  not counted); it sums to ``T``, the positions per example."""
-  ids = stats.inputs.reshape(-1)
+  not counted); it sums to ``T``, the positions per example. Ids sharded with an explicit
+  sharding are gathered first (a scatter with sharded indices is rejected)."""
+  ids = explicit.replicate(stats.inputs).reshape(-1)
   counts = jnp.zeros((spec.kernel_shape[0],), dtype).at[ids].add(1.0, mode="drop")
   return counts / stats.inputs.shape[0]
 

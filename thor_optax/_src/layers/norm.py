@@ -27,6 +27,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from thor_optax._src import explicit
 from thor_optax._src import linalg
 from thor_optax._src.layers import base
 
@@ -78,7 +79,8 @@ class StoredUnitwiseState(NamedTuple):
 def unitwise_fisher(scale_grads: jax.Array, bias_grads: jax.Array) -> jax.Array:
   """``(C, 2, 2)`` per-channel empirical Fisher from ``(S, N, C)`` per-example gradients."""
   g = jnp.stack([scale_grads, bias_grads], axis=-1)  # (S, N, C, 2)
-  return jnp.einsum("snci,sncj->cij", g, g) / g.shape[1]
+  return jnp.einsum("snci,sncj->cij", g, g,
+                    out_sharding=explicit.contraction_sharding(g)) / g.shape[1]
 
 
 def unitwise_inverse(fisher: jax.Array, damping: jax.Array) -> jax.Array:
