@@ -59,21 +59,11 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mnist  # noqa: E402  (the benchmark's models, data and loss)
+from timing import median_ms  # noqa: E402
 import thor_optax  # noqa: E402
 from thor_optax.flax import value_and_grad_with_stats  # noqa: E402
 
 DAMPING = 0.03
-
-
-def median_ms(fn, repeats: int) -> float:
-  """Median wall time of ``fn()`` in milliseconds, after one warm-up (compiling) call."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(times))
 
 
 def jump_blocks(stats: thor_optax.CurvatureStats, layout: Any,

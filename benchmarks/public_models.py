@@ -45,20 +45,10 @@ sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "tests"))
 
 import public_models as pm  # noqa: E402  (the model definitions)
+from timing import median_ms  # noqa: E402
 import thor_optax  # noqa: E402
 
 DAMPING = 0.03
-
-
-def median_ms(fn, repeats: int) -> float:
-  """Median wall time of ``fn()`` in milliseconds, after one warm-up call."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(times))
 
 
 def compiled(step, *args):

@@ -35,18 +35,9 @@ import subprocess
 import sys
 import time
 
+from timing import median_ms  # noqa: E402
+
 BLOCK = 128
-
-
-def _median_ms(fn, repeats: int) -> float:
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.block_until_ready(fn())  # compile
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(1e3 * (time.perf_counter() - start))
-  return float(sorted(times)[len(times) // 2])
 
 
 def worker(num_devices: int, repeats: int) -> dict:
@@ -95,7 +86,7 @@ def worker(num_devices: int, repeats: int) -> dict:
     return optax.apply_updates(params, updates), state
 
   sgd_state = jax.device_put(sgd.init(params), rep)
-  out["sgd"] = _median_ms(lambda: sgd_step(params, sgd_state, x, y), repeats)
+  out["sgd"] = median_ms(lambda: sgd_step(params, sgd_state, x, y), repeats)
 
   for mode in ("replicated", "distributed"):
     tx = thor_optax.thor(0.05, 0.03, block_size=BLOCK, trace_thresholds=(0.0, 0.0),
@@ -115,9 +106,9 @@ def worker(num_devices: int, repeats: int) -> dict:
       return optax.apply_updates(params, updates), state
 
     _, state = check_step(params, state, x, y)  # real inverses in the state
-    out[f"check_{mode}"] = _median_ms(lambda: check_step(params, state, x, y), repeats)
+    out[f"check_{mode}"] = median_ms(lambda: check_step(params, state, x, y), repeats)
     if mode == "replicated":
-      out["plain"] = _median_ms(lambda: plain_step(params, state, x, y), repeats)
+      out["plain"] = median_ms(lambda: plain_step(params, state, x, y), repeats)
     # The inversion alone: the 128-block stack of the state (its inverse is the damped
     # block), inverted as a check step does it, whole or split over the devices
     # (``linalg.on_shards``), the results gathered back to every device.
@@ -127,7 +118,7 @@ def worker(num_devices: int, repeats: int) -> dict:
     on_shards = linalg.on_shards
     invert = jax.jit(lambda s: on_shards(linalg.cholesky_inverse, sharding, s),
                      out_shardings=rep)
-    out[f"inv_{mode}"] = _median_ms(lambda: invert(stack), repeats)
+    out[f"inv_{mode}"] = median_ms(lambda: invert(stack), repeats)
     out["blocks"] = int(stack.shape[0])
   return out
 

@@ -176,3 +176,7 @@ def assert_orbax_round_trip(tree, target, directory):
                                jax.tree.leaves(tree)):
     assert got.dtype == want.dtype, jax.tree_util.keystr(path)
     np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
+
+
+# XLA options for steps compiled once in a test: compile several times faster, run slower.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}

@@ -35,15 +35,7 @@ RULES = (("hidden", "model"), ("channels", None), ("model", "model"))
 F64 = dict(param_dtype=jnp.float64)
 
 
-@pytest.fixture(autouse=True)
-def _fast_compiles():
-  """XLA's cheaper optimization levels for this module's compilations, restored afterwards."""
-  before = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # conftest.py
 
 
 class Boxed(nn.Module):

@@ -46,16 +46,7 @@ TOL = 1e-12  # float64; different reduction orders only
 F64 = dict(param_dtype=jnp.float64)
 
 
-@pytest.fixture(autouse=True)
-def _fast_compiles():
-  """XLA's cheaper optimization levels for this module's compilations (they dominate its time:
-  every comparison compiles the steps twice), restored afterwards."""
-  before = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # conftest.py
 
 
 def _loss(out, y):

@@ -338,8 +338,8 @@ def test_shared_and_unsupported_layers_are_unhandled_and_pass_through():
   assert stats.unhandled == (
       "general: module kind not supported",
       "shared: called 2 times per forward pass (shared layer)",
-      "unused: not called directly in the forward pass (unused, or run inside an NNX "
-      "transform such as nnx.scan, nnx.vmap or nnx.remat)",
+      "unused: not called in the forward pass, or called inside a raw jax transform "
+      "(jax.lax.scan, jax.checkpoint) instead of its nnx counterpart",
   )
   assert set(stats.layers) == {"first", "head"}
   ref_loss, reference = nnx.value_and_grad(lambda m: _loss(m(x), y))(model)

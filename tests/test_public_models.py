@@ -312,7 +312,7 @@ def test_model_without_capturable_layers_trains_with_one_warning():
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
-def test_nnx_layers_in_lifted_transforms_warn_and_train():
+def test_nnx_layers_in_lifted_transforms_are_preconditioned_and_train():
   """NNX's functional training loop (``nnx.split`` once, ``jax.jit`` steps that ``nnx.merge``)."""
   x, y = pm.classification_batch(11, (16, 6), 4)
   tx = thor_optax.thor(0.05, 0.03)
@@ -347,12 +347,44 @@ def test_nnx_layers_in_lifted_transforms_warn_and_train():
     for step in range(STEPS):
       state, loss = (check_step if IS_CHECK(step) else plain_step)(state, x, y)
       losses.append(float(loss))
-  warned = thor_warnings(record)
-  assert len(warned) == 1
-  assert "blocks/linear" in str(warned[0].message) and "mid" in str(warned[0].message)
-  reasons = unhandled_dict(seen[0])
-  assert set(reasons) == {"blocks/linear", "mid"}
-  assert all("nnx.scan" in r and "nnx.remat" in r for r in reasons.values())
+  assert thor_warnings(record) == [] and seen[0] == ()
   _, optimizer = nnx.merge(graphdef, state)
-  assert preconditioned_layers(kronecker_state(optimizer.opt_state)) == {"proj", "head"}
+  # The nnx.vmap-made stack run by nnx.scan, and the layer run under nnx.remat.
+  assert preconditioned_layers(kronecker_state(optimizer.opt_state)) == {
+      "proj", "blocks/linear", "mid", "head"}
   assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize("name", ["std_conv", "tied_lm"])
+def test_captured_mask_drops_the_blocks_of_layers_never_preconditioned(name, x64):
+  """``precondition_mask=captured_mask(stats)``: no Kronecker blocks for the layers the capture
+  lists (a weight-standardized conv, a tied embedding), and the same updates."""
+  case = pm.LINEN_MODELS[name]
+  x, y = case.make_batch()
+  x = to_f64(x)
+  model = case.model
+  params = to_f64(init_params(model, x))
+  capture = value_and_grad_with_stats(model, case.loss_fn)
+  _, abstract = jax.eval_shape(capture, params, x, y)  # which layers it takes: no FLOPs
+  mask = thor_optax.captured_mask(abstract)(params)
+  kept = {"/".join(str(k.key) for k in path[:-1]) for path, v in
+          jax.tree_util.tree_flatten_with_path(mask)[0] if v}
+  assert kept == case.preconditioned
+  txs = [thor_optax.thor(case.learning_rate, 0.03),
+         thor_optax.thor(case.learning_rate, 0.03,
+                         precondition_mask=thor_optax.captured_mask(abstract))]
+  runs = []
+  for tx in txs:
+    with warnings.catch_warnings(record=True) as record:
+      warnings.simplefilter("always")
+      runs.append(_check_then_plain(model, case.loss_fn, tx, x, y)(params))
+    warned = thor_warnings(record)
+  assert warned == []  # the masked run has no layer to warn about
+  (_, _, u1_all, u2_all, st_all), (_, _, u1_mask, u2_mask, st_mask) = runs
+  for got, want in ((u1_mask, u1_all), (u2_mask, u2_all)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+  sizes = [sum(int(np.prod(np.shape(v))) for v in jax.tree.leaves(kronecker_state(st).blocks))
+           for st in (st_all, st_mask)]
+  assert sizes[1] < sizes[0], sizes
+  assert preconditioned_layers(kronecker_state(st_mask)) == case.preconditioned

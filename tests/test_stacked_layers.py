@@ -7,10 +7,18 @@ through the lifted transforms; the core treats a module whose leaves share leadi
 stack of layers (``LayerSpec.stack``), with factors, side curvature (``LayerNorm``'s unit-wise
 Fisher) and preconditioning per layer. Float64; thor, skfac, kaisa and spngd, so blocked
 Cholesky, Woodbury from rows, eigh, the trace rule and the adaptive refresh each meet a stack.
+
+The same holds for Flax NNX's "scan over layers" (a stack made by ``nnx.vmap``, run by
+``nnx.scan`` over an ``nnx.remat``-ed body): the capture hands each lifted layer copy its
+perturbation and takes its input back through ``nnx.Param``-typed channel variables. A layer
+whose one set of weights is applied at every iteration (a cell broadcast into ``nnx.scan``, a
+layer broadcast into ``nnx.vmap``) is listed as weight sharing, not preconditioned.
 """
 
+import functools
 import warnings
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,6 +26,7 @@ import numpy as np
 import pytest
 
 import thor_optax
+import thor_optax.nnx
 from thor_optax._src import blocks
 
 import reference
@@ -125,3 +134,135 @@ def test_statistics_without_the_stack_axes_are_rejected():
   with pytest.raises(ValueError, match="'layers/Dense_0' is a stack of layers"):
     tx.update(grads, tx.init(params), params,
               curvature_stats=thor_optax.CurvatureStats(layers=layers))
+
+
+# ------------------------------------------------------------------------------------ NNX
+
+
+class NNXBlock(nnx.Module):
+  """``Linear -> tanh -> LayerNorm`` in float64."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(6, 6, param_dtype=jnp.float64, rngs=rngs)
+    self.norm = nnx.LayerNorm(6, param_dtype=jnp.float64, rngs=rngs)
+
+  def __call__(self, h):
+    return self.norm(jnp.tanh(self.linear(h)))
+
+
+class NNXScanned(nnx.Module):
+  """``L`` blocks created by ``nnx.vmap`` and run by ``nnx.scan`` over ``nnx.remat``."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=L)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return NNXBlock(rngs)
+
+    self.layers = make(rngs)
+    self.head = nnx.Linear(6, 3, param_dtype=jnp.float64, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def body(h, block):
+      return block(h)
+
+    return self.head(body(x, self.layers))
+
+
+class NNXUnrolled(nnx.Module):
+  """The same blocks in an ``nnx.List``, called one after another."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.layers = nnx.List([NNXBlock(rngs) for _ in range(L)])
+    self.head = nnx.Linear(6, 3, param_dtype=jnp.float64, rngs=rngs)
+
+  def __call__(self, x):
+    for block in self.layers:
+      x = block(x)
+    return self.head(x)
+
+
+def _train_nnx(model, tx, x, y, steps=2):
+  """``steps`` jitted check steps (NNX's functional loop: split once, merge in the step)."""
+  capture = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  @functools.partial(jax.jit, compiler_options=reference.FAST_COMPILE)
+  def step(params, state):
+    (_, grads), stats = capture(nnx.merge(graphdef, params, rest), x, y)
+    assert stats.unhandled == ()
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return jax.tree.map(lambda p, u: p + u, params, updates), state, stats
+
+  state = tx.init(params)
+  for _ in range(steps):
+    params, state, stats = step(params, state)
+  return params, stats
+
+
+@pytest.mark.parametrize("name", ["kaisa", "thor"])
+def test_nnx_scanned_stack_equals_unrolled_layers(name):
+  x, y = jnp.asarray(randn(1, (8, 6))), jnp.arange(8) % 3
+  scanned, unrolled = NNXScanned(nnx.Rngs(0)), NNXUnrolled(nnx.Rngs(1))
+  start = jax.tree.map(np.asarray, nnx.state(scanned, nnx.Param))  # a copy
+  assert start["layers"]["linear"]["kernel"].shape == (L, 6, 6)
+  for i in range(L):
+    nnx.update(unrolled.layers[i], jax.tree.map(lambda v, i=i: jnp.asarray(v[i]),
+                                                start["layers"]))
+  nnx.update(unrolled.head, jax.tree.map(jnp.asarray, start["head"]))
+  tx = OPTIMIZERS[name]()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # every layer preconditioned: no warning
+    got, stats = _train_nnx(scanned, tx, x, y)
+    want, _ = _train_nnx(unrolled, tx, x, y)
+  assert stats.layers["layers"]["linear"].inputs.shape == (L, 8, 6)
+  np.testing.assert_allclose(got["head"]["kernel"][...], want["head"]["kernel"][...],
+                             rtol=0, atol=1e-13)
+  for i in range(L):
+    for a, b in zip(jax.tree.leaves(jax.tree.map(lambda v, i=i: v[i], got["layers"])),
+                    jax.tree.leaves(want["layers"][i])):
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-13)
+  moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+              zip(jax.tree.leaves(got), jax.tree.leaves(start)))
+  assert moved > 1e-3
+
+
+class NNXCellScan(nnx.Module):
+  """A recurrent cell broadcast into ``nnx.scan`` (one set of weights at every time step)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.cell = nnx.Linear(4, 4, param_dtype=jnp.float64, rngs=rngs)
+    self.head = nnx.Linear(4, 3, param_dtype=jnp.float64, rngs=rngs)
+
+  def __call__(self, xs):
+    @nnx.scan(in_axes=(None, nnx.Carry, 1), out_axes=(nnx.Carry, 1))
+    def step(cell, h, x):
+      h = jnp.tanh(cell(h) + x)
+      return h, h
+
+    _, hs = step(self.cell, jnp.zeros(xs.shape[:1] + (4,)), xs)
+    return self.head(hs)
+
+
+class NNXMapped(nnx.Module):
+  """A layer broadcast into ``nnx.vmap`` over the sequence axis."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.mapped = nnx.Linear(4, 3, param_dtype=jnp.float64, rngs=rngs)
+
+  def __call__(self, xs):
+    return nnx.vmap(lambda m, x: m(x), in_axes=(None, 1), out_axes=1)(self.mapped, xs)
+
+
+@pytest.mark.parametrize("model, shared, transform", [
+    (NNXCellScan, "cell", "nnx.scan"), (NNXMapped, "mapped", "nnx.vmap")])
+def test_nnx_weights_shared_across_iterations_are_listed(model, shared, transform):
+  xs, y = jnp.asarray(randn(2, (5, 7, 4))), jnp.arange(35).reshape(5, 7) % 3
+  capture = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)
+  (_, grads), stats = capture(model(nnx.Rngs(0)), xs, y)
+  assert shared not in stats.layers
+  (note,) = [u for u in stats.unhandled if u.startswith(shared + ":")]
+  assert transform in note and "weight sharing" in note
+  assert set(stats.layers) == ({"head"} if shared == "cell" else set())

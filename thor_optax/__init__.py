@@ -16,6 +16,8 @@ Public API (import from here, ``thor_optax.flax`` or ``thor_optax.nnx``; never f
   accumulation with ``optax.MultiSteps``).
 * ``thor_learning_rate_schedule``, ``thor_damping_schedule``: the paper's schedule shapes.
 * ``CheckSchedule``, ``growing_interval``: which steps are check steps.
+* ``captured_mask``: the ``precondition_mask`` of the aliases, from a capture's statistics
+  (no curvature state for layers the capture never takes).
 * ``KroneckerState``, ``LayerDiagnostics``: the transform state and its per-layer record.
 * ``DenseStats``, ``ConvStats``, ``EmbedStats``, ``NormStats``, ``CurvatureStats``: raw
   per-layer statistics.
@@ -39,6 +41,7 @@ from thor_optax._src.schedule import CheckSchedule
 from thor_optax._src.sharding import kronecker_state_sharding
 from thor_optax._src.schedule import growing_interval
 from thor_optax._src.stats import ConvStats
+from thor_optax._src.stats import captured_mask
 from thor_optax._src.stats import CurvatureStats
 from thor_optax._src.kl_clip import KLClipState
 from thor_optax._src.layers import register_layer_kind
@@ -68,6 +71,7 @@ __all__ = (
     "LayerDiagnostics",
     "LayerKind",
     "NormStats",
+    "captured_mask",
     "growing_interval",
     "concatenate_stats",
     "kaisa",

@@ -37,6 +37,12 @@ def _first_order_tail(learning_rate: ScalarOrSchedule, momentum: float, nesterov
           optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)]
 
 
+def _masked(pre: optax.GradientTransformation, mask: Any) -> optax.GradientTransformation:
+  """The preconditioner, restricted to ``mask``'s parameters if one is given (``optax.masked``:
+  the others pass through it unchanged and get no curvature state)."""
+  return pre if mask is None else optax.masked(pre, mask)
+
+
 def thor(
     learning_rate: ScalarOrSchedule,
     damping: ScalarOrSchedule = 0.03,
@@ -52,6 +58,7 @@ def thor(
     inverse_method: str = "cholesky",
     block_sharding: Optional[Any] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """THOR: :func:`scale_by_thor`, then weight decay, then momentum SGD.
 
@@ -69,6 +76,9 @@ def thor(
     block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
     axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
       curvature statistics across replicas; see :func:`scale_by_thor`.
+    precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
+      others skip the preconditioner (no Kronecker blocks in the state) and only take the
+      steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` to ``update`` on
@@ -78,10 +88,10 @@ def thor(
     ValueError: as :func:`scale_by_thor`.
   """
   return optax.chain(
-      transform.scale_by_thor(damping, block_size=block_size, trace_thresholds=trace_thresholds,
-                              ema_decay=ema_decay, pi_damping=pi_damping,
-                              inverse_method=inverse_method, block_sharding=block_sharding,
-                              axis_name=axis_name),
+      _masked(transform.scale_by_thor(
+          damping, block_size=block_size, trace_thresholds=trace_thresholds, ema_decay=ema_decay,
+          pi_damping=pi_damping, inverse_method=inverse_method, block_sharding=block_sharding,
+          axis_name=axis_name), precondition_mask),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -100,6 +110,7 @@ def kfac(
     inverse_period: transform.Period = 1,
     block_sharding: Optional[Any] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC: :func:`scale_by_kfac`, then weight decay, then momentum SGD.
 
@@ -112,6 +123,9 @@ def kfac(
     block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
     axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
       curvature statistics across replicas; see :func:`scale_by_thor`.
+    precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
+      others skip the preconditioner (no Kronecker blocks in the state) and only take the
+      steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -120,10 +134,10 @@ def kfac(
     ValueError: as :func:`scale_by_kfac`.
   """
   return optax.chain(
-      transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
-                              pi_damping=pi_damping, inverse_method=inverse_method,
-                              inverse_period=inverse_period, block_sharding=block_sharding,
-                              axis_name=axis_name),
+      _masked(transform.scale_by_kfac(
+          damping, ema_decay=ema_decay, block_size=block_size, pi_damping=pi_damping,
+          inverse_method=inverse_method, inverse_period=inverse_period,
+          block_sharding=block_sharding, axis_name=axis_name), precondition_mask),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -143,6 +157,7 @@ def skfac(
     woodbury_rows: Optional[int] = None,
     block_sharding: Optional[Any] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """SKFAC: current-batch factors inverted by Woodbury where they are low-rank, then momentum SGD.
 
@@ -165,6 +180,9 @@ def skfac(
     block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
     axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
       curvature statistics across replicas; see :func:`scale_by_thor`.
+    precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
+      others skip the preconditioner (no Kronecker blocks in the state) and only take the
+      steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` on check steps.
@@ -173,11 +191,11 @@ def skfac(
     ValueError: as :func:`scale_by_kfac`.
   """
   return optax.chain(
-      transform.scale_by_kfac(damping, ema_decay=None, block_size=block_size,
-                              inverse_method=inverse_method, conv_statistics=conv_statistics,
-                              spatial_samples=spatial_samples, subsample_key=subsample_key,
-                              woodbury_rows=woodbury_rows, block_sharding=block_sharding,
-                              axis_name=axis_name),
+      _masked(transform.scale_by_kfac(
+          damping, ema_decay=None, block_size=block_size, inverse_method=inverse_method,
+          conv_statistics=conv_statistics, spatial_samples=spatial_samples,
+          subsample_key=subsample_key, woodbury_rows=woodbury_rows,
+          block_sharding=block_sharding, axis_name=axis_name), precondition_mask),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -195,6 +213,7 @@ def kaisa(
     block_size: Optional[int] = None,
     block_sharding: Optional[Any] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """KAISA: running-average factors, eigendecompositions every ``inverse_period`` steps, KL clip.
 
@@ -214,6 +233,9 @@ def kaisa(
     block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
     axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
       curvature statistics across replicas; see :func:`scale_by_thor`.
+    precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
+      others skip the preconditioner (no Kronecker blocks in the state) and only take the
+      steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -227,8 +249,8 @@ def kaisa(
   if max_kl is not None:
     pre = kl_clip.scale_by_kl_clip(pre, learning_rate, max_kl)
   return optax.chain(
-      pre, *_first_order_tail(learning_rate, momentum, nesterov, weight_decay,
-                              weight_decay_mask))
+      _masked(pre, precondition_mask),
+      *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
 def spngd(
@@ -244,6 +266,7 @@ def spngd(
     block_size: Optional[int] = None,
     block_sharding: Optional[Any] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """SP-NGD: pi-damped K-FAC with adaptive refresh, unit-wise normalization layers, rescaling.
 
@@ -267,6 +290,9 @@ def spngd(
     block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
     axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
       curvature statistics across replicas; see :func:`scale_by_thor`.
+    precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
+      others skip the preconditioner (no Kronecker blocks in the state) and only take the
+      steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -278,10 +304,10 @@ def spngd(
   if rescale_weights:
     tail.append(weight_rescaling.rescale_weight_norms())
   return optax.chain(
-      transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
-                              pi_damping=True, adaptive_refresh=adaptive_refresh,
-                              max_refresh_interval=max_refresh_interval,
-                              block_sharding=block_sharding, axis_name=axis_name),
+      _masked(transform.scale_by_kfac(
+          damping, ema_decay=ema_decay, block_size=block_size, pi_damping=True,
+          adaptive_refresh=adaptive_refresh, max_refresh_interval=max_refresh_interval,
+          block_sharding=block_sharding, axis_name=axis_name), precondition_mask),
       *tail)
 
 

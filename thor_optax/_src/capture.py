@@ -190,7 +190,7 @@ class Call(NamedTuple):
     stack: leading axes of the module's parameters beyond those the layer sees (``(L,)`` for a
       stack of ``L`` layers under ``nn.scan`` / ``nn.vmap`` with ``variable_axes={'params':
       0}``), ``()`` otherwise.
-    shared_over: the lifted transform (``'scan'``, ``'vmap'``) that applies the layer's
+    shared_over: the lifted transform (``'nn.scan'``, ``'nnx.vmap'``, ...) that applies the layer's
       unstacked weights at every iteration (an ``nn.RNN`` cell), ``''`` otherwise.
   """
 
@@ -259,7 +259,7 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
           "(thor_optax.register_layer_kind)"))
     elif first.shared_over:
       plan = layer_base.Plan(None, (
-          f"its weights are shared by every iteration of nn.{first.shared_over} (a recurrent "
+          f"its weights are shared by every iteration of {first.shared_over} (a recurrent "
           "cell, or a layer mapped over a dimension): weight sharing is not preconditioned yet"))
     elif n_calls > 1:
       plan = layer_base.Plan(None, f"called {n_calls} times per forward pass (shared layer)")
@@ -490,7 +490,7 @@ class _Context:
     full, seen = outer[name], tuple(inner[name].shape)
     stack = full[:len(full) - len(seen)]
     lifted = " ".join(mod.scope.root.debug_path)
-    mapped = next((t for t in ("scan", "vmap") if f"{t}(" in lifted), "")
+    mapped = next((f"nn.{t}" for t in ("scan", "vmap") if f"{t}(" in lifted), "")
     return stack, ("" if stack else mapped)
 
 

@@ -38,10 +38,17 @@ Limitations:
   overrides ``__call__`` without calling ``super().__call__`` is not captured; it is listed
   as unhandled);
 * layers run inside NNX lifted transforms (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``, ...) are
-  seen as copies made by the transform, so they are not captured and are listed as unhandled
-  (stacked parameters of ``nnx.vmap``-created layers have extra axes and are not
-  Kronecker-factored anyway); calling a layer inside a raw ``jax`` transform (``jax.checkpoint``,
-  ``jax.lax.scan`` of a closure) within the model is not supported.
+  copies the transform makes: the capture tags every layer of the model copy with its path (a
+  static attribute, kept in the graph definition the transform splits and merges) and gives it
+  ``nnx.Param``-typed channel variables (its zero perturbation, its input record), which the
+  transform slices, stacks and returns like the layer's parameters. So a stack of layers
+  (made by ``nnx.vmap``, run by ``nnx.scan``: parameters with a leading layer axis) gets
+  Kronecker factors per layer, and ``nnx.remat`` layers are captured as if called directly. A
+  layer whose one set of weights is applied at every iteration (a cell broadcast into
+  ``nnx.scan``, as in ``nnx.RNN``; a layer broadcast into ``nnx.vmap``) is weight sharing,
+  listed as unhandled;
+* calling a layer inside a raw ``jax`` transform of a closure (``jax.checkpoint``,
+  ``jax.lax.scan``) within the model is not supported (use the ``nnx`` transforms).
 
 References:
   kfac-jax ``tracer.py``: zero perturbations of layer outputs give output cotangents in one vjp.
@@ -123,14 +130,55 @@ def _intercept(handler: _Handler) -> Iterator[None]:
         _originals.clear()
 
 
-def _module_paths(model: nnx.Module) -> dict[int, tuple[Any, ...]]:
-  """``{id(module): path}`` for every module of the graph (a shared module: its first path,
-  the one ``nnx.split`` files its variables under)."""
-  paths: dict[int, tuple[Any, ...]] = {}
+class _Channel(nnx.Param):
+  """A variable the capture attaches to a layer of the model copy, for one pass.
+
+  A ``Param`` subclass, so that NNX lifted transforms (``nnx.scan``, ``nnx.vmap``,
+  ``nnx.remat``, and ``nnx.StateAxes`` filters on ``nnx.Param``) slice, stack and return it
+  exactly as they do the layer's own parameters: the way a zero perturbation with the layer's
+  stack axes reaches a lifted layer, and its recorded input comes back out.
+  """
+
+
+_PATH = "_thor_path"  # static attribute (kept in the graphdef through lifted transforms)
+_PROBE = "_thor_probe"  # discovery: written by every __call__ (dropped under a scan broadcast)
+_PERTURBATION = "_thor_perturbation"
+_INPUT = "_thor_input"
+
+
+def _layers(model: nnx.Module) -> dict[tuple[Any, ...], nnx.Module]:
+  """``{path: module}`` of the model's modules of a registered kind that own parameters (a
+  shared module: its first path, the one ``nnx.split`` files its variables under)."""
+  out: dict[tuple[Any, ...], nnx.Module] = {}
   for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Module):
-      paths.setdefault(id(node), tuple(path))
-  return paths
+    if (isinstance(node, nnx.Module) and layers_lib.kind_of_module(node) is not None
+        and _own_param(node) is not None):
+      out.setdefault(tuple(path), node)
+  return out
+
+
+def _own_param(mod: nnx.Module) -> Optional[jax.Array]:
+  """The value of the module's first own parameter by attribute name (``None`` if it has
+  none); inside a lifted transform, as the layer sees it (one slice of a stack)."""
+  for _, v in sorted(vars(mod).items()):
+    if isinstance(v, nnx.Param) and not isinstance(v, _Channel):
+      return v.get_value()
+  return None
+
+
+def _tagged(copy: nnx.Module) -> dict[tuple[Any, ...], nnx.Module]:
+  """:func:`_layers` of a model copy, each tagged with its path (a static attribute, which NNX
+  keeps in the graph definition, so that the copies a lifted transform makes carry it)."""
+  layers = _layers(copy)
+  for path, mod in layers.items():
+    setattr(mod, _PATH, path)
+  return layers
+
+
+def _batched(v: Any) -> bool:
+  """Whether ``v`` is mapped by an enclosing ``vmap`` (``nnx.vmap``) being traced: a
+  ``BatchTracer``, which JAX does not export, so it is recognized by class name."""
+  return any(t.__name__ == "BatchTracer" for t in type(v).__mro__)
 
 
 def _module_reasons(model: nnx.Module, params: nnx.State) -> dict[tuple[Any, ...], str]:
@@ -143,8 +191,8 @@ def _module_reasons(model: nnx.Module, params: nnx.State) -> dict[tuple[Any, ...
   for path, _ in nnx.to_flat_state(params):
     owner = tuple(path[:-1])
     if layers_lib.kind_of_module(modules.get(owner)) is not None:
-      reasons[owner] = ("not called directly in the forward pass (unused, or run inside an NNX "
-                        "transform such as nnx.scan, nnx.vmap or nnx.remat)")
+      reasons[owner] = ("not called in the forward pass, or called inside a raw jax transform "
+                        "(jax.lax.scan, jax.checkpoint) instead of its nnx counterpart")
     else:
       reasons[owner] = "module kind not supported"
   return reasons
@@ -164,56 +212,98 @@ def _unit_affine_clone(mod: nnx.Module) -> nnx.Module:
   return plain
 
 
-def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any, call_kwargs: dict) -> dict:
-  """Calls, shapes and metadata of every patched layer (an abstract pass, no FLOPs)."""
-  calls: dict[tuple[Any, ...], list] = {}
+def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
+              call_kwargs: dict) -> tuple[dict, dict]:
+  """Calls, shapes and metadata of every registered layer (a traced pass, no FLOPs).
 
-  def run(p, r):
+  Returns ``(calls, input_dtypes)``. A layer run inside an NNX lifted transform is seen as a
+  copy that carries its path; its stack axes are the leading axes of its parameters that the
+  copy does not see (``nnx.scan`` / ``nnx.vmap`` over a stack of layers). A layer whose
+  unstacked weights are applied at every iteration is marked shared: under ``nnx.vmap`` its
+  input is mapped while its weights are not; under ``nnx.scan`` (a broadcast cell, as in
+  ``nnx.RNN``) the write of its probe channel does not come out of the loop, which the pass's
+  jaxpr shows (the probe's output is its input variable).
+  """
+  calls: dict[tuple[Any, ...], list] = {}
+  dtypes: dict[tuple[Any, ...], Any] = {}
+  written: set[tuple[Any, ...]] = set()
+  own = {path: _own_param(mod)
+         for path, mod in _layers(nnx.merge(graphdef, params, rest, copy=True)).items()}
+  outer = {path: tuple(v.shape) for path, v in own.items()}
+  order = list(outer)
+
+  def run(p, r, probes):
     copy = nnx.merge(graphdef, p, r, copy=True)
-    paths = _module_paths(copy)
+    layers = _tagged(copy)
+    for path, probe in zip(order, probes):
+      setattr(layers[path], _PROBE, _Channel(probe))
 
     def record(original, mod, method, args, kwargs):
+      path = getattr(mod, _PATH, None)
       try:
         out = original(mod, *args, **kwargs)
       except Exception as e:  # name the failing layer, keep the exception as it is
-        if id(mod) in paths and hasattr(e, "add_note"):  # Python >= 3.11
+        if path is not None and hasattr(e, "add_note"):  # Python >= 3.11
           e.add_note(f"in {type(mod).__name__}.{method} of the layer at "
-                     f"'{capture_lib.path_name(paths[id(mod)])}' (thor_optax.nnx capture)")
+                     f"'{capture_lib.path_name(path)}' (thor_optax.nnx capture)")
         raise
-      if id(mod) in paths:
-        capture_lib.note_call(calls, paths[id(mod)], mod, method, args, kwargs, out)
+      if path not in outer:
+        return out
+      inner = _own_param(mod)
+      stack = outer[path][:len(outer[path]) - inner.ndim]
+      x = capture_lib.primary_input(args, kwargs)
+      shared = "nnx.vmap" if not stack and _batched(x) and not _batched(inner) else ""
+      if method == "__call__":
+        getattr(mod, _PROBE).set_value(inner)
+        written.add(path)
+      capture_lib.note_call(calls, path, mod, method, args, kwargs, out, stack, shared)
+      dtypes[path] = x.dtype
       return out
 
     with _intercept(record):
       copy(inputs, **call_kwargs)
+    return [getattr(layers[path], _PROBE).get_value() for path in order]
 
-  jax.eval_shape(run, params, rest)
-  return calls
+  probes = [jax.ShapeDtypeStruct(own[path].shape, own[path].dtype) for path in order]
+  jaxpr = jax.make_jaxpr(run)(params, rest, probes).jaxpr
+  probe_vars = jaxpr.invars[len(jaxpr.invars) - len(order):]
+  for path, var_in, var_out in zip(order, probe_vars, jaxpr.outvars):
+    if path in written and var_out is var_in:  # the write never left an nnx.scan
+      calls[path] = [c._replace(shared_over="nnx.scan") for c in calls[path]]
+  return calls, dtypes
 
 
-def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: dict, normalized: set,
-             params: Any, perts: dict) -> tuple[Any, tuple[dict, Any]]:
+def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: dict, captured: dict,
+             dtypes: dict, params: Any, perts: dict) -> tuple[Any, tuple[dict, Any]]:
   """A fresh copy's forward pass that records captured layers' inputs (``x_hat`` for
-  normalized-input kinds) and perturbs their outputs; returns its new non-``Param`` state."""
+  normalized-input kinds) and perturbs their outputs; returns its new non-``Param`` state.
+
+  Each captured layer of the copy gets two :class:`_Channel` variables: its perturbation
+  (zeros of its output shape with its stack axes) and its input record, so that layers run
+  inside lifted transforms receive their slice and hand their input back like parameters."""
   copy = nnx.merge(graphdef, params, rest, copy=True)
-  paths = _module_paths(copy)
-  layer_inputs = {}
+  layers = _tagged(copy)
+  for path, c in captured.items():
+    setattr(layers[path], _PERTURBATION, _Channel(perts[path]))
+    shape = tuple(c["stack"]) + tuple(c["input_shape"])
+    setattr(layers[path], _INPUT, _Channel(jnp.zeros(shape, dtypes[path])))
 
   def intercept(original, mod, method, args, kwargs):
-    path = paths.get(id(mod))
-    if method != "__call__" or path not in perts:
+    path = getattr(mod, _PATH, None)
+    if method != "__call__" or path not in captured:
       return original(mod, *args, **kwargs)
-    if path not in normalized:
-      layer_inputs[path] = capture_lib.primary_input(args, kwargs)
-      return original(mod, *args, **kwargs) + perts[path]
+    if not captured[path]["kind"].normalized_input:
+      getattr(mod, _INPUT).set_value(capture_lib.primary_input(args, kwargs))
+      return original(mod, *args, **kwargs) + getattr(mod, _PERTURBATION).get_value()
     plain = _unit_affine_clone(mod)
     out = original(mod, *args, **kwargs)
-    layer_inputs[path] = jax.lax.stop_gradient(original(plain, *args, **kwargs))
-    return out + perts[path]
+    getattr(mod, _INPUT).set_value(jax.lax.stop_gradient(original(plain, *args, **kwargs)))
+    return out + getattr(mod, _PERTURBATION).get_value()
 
   with _intercept(intercept):
     outputs = copy(inputs, **call_kwargs)
-  _, _, new_rest = nnx.split(copy, nnx.Param, ...)
+  layer_inputs = {path: getattr(layers[path], _INPUT).get_value() for path in captured}
+  _, _, new_rest = nnx.split(copy, nnx.Param, ...)  # the channels are Params: not in new_rest
   return outputs, (layer_inputs, new_rest)
 
 
@@ -233,7 +323,9 @@ def value_and_grad_with_stats(
   docstring). Captured: ``nnx.Linear`` (any number of leading axes), ``nnx.Conv`` (2-D, NHWC,
   one feature group, unmasked, SAME/VALID/explicit padding), ``nnx.Embed`` (``__call__`` only),
   ``nnx.BatchNorm`` and ``nnx.LayerNorm`` (scale and/or bias over the last axis), each called
-  once per forward pass.
+  once per forward pass, directly or inside ``nnx.remat``, ``nnx.scan`` or ``nnx.vmap`` (a
+  stack of layers whose parameters have leading layer axes: statistics per layer of the stack;
+  weights broadcast into the loop are listed as shared, see the module docstring).
 
   Args:
     loss_fn: scalar training loss of the model output and the targets,
@@ -297,10 +389,11 @@ def value_and_grad_with_stats(
           f"value_and_grad_with_stats (NNX) needs an nnx.Module, got {type(model).__name__}; "
           "for a linen module use thor_optax.flax.value_and_grad_with_stats.")
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    calls = _discover(graphdef, params, rest, inputs, call_kwargs)
+    calls, dtypes = _discover(graphdef, params, rest, inputs, call_kwargs)
     captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params))
-    normalized = {path for path, c in captured.items() if c["kind"].normalized_input}
-    forward = functools.partial(_forward, graphdef, rest, inputs, call_kwargs, normalized)
+    for path, c in captured.items():
+      c["input_shape"] = calls[path][0].input_shape
+    forward = functools.partial(_forward, graphdef, rest, inputs, call_kwargs, captured, dtypes)
     loss, grads, stats, new_rest = capture_lib.vjp_with_stats(
         forward, params, captured, unhandled, loss_fn, targets, rng, options)
     nnx.update(model, new_rest)

@@ -16,7 +16,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 
@@ -80,6 +80,38 @@ def flatten_layer_stats(stats: CurvatureStats | Mapping[str, Any]) -> dict[str, 
           f"{kinds}; build statistics with thor_optax.flax.value_and_grad_with_stats.")
     out[name] = leaf
   return out
+
+
+def captured_mask(stats: CurvatureStats | Mapping[str, Any]) -> Callable[[Any], Any]:
+  """An optax mask of the parameters the capture preconditions, from its statistics.
+
+  The preconditioners allocate Kronecker blocks, at ``tx.init``, for every layer a registered
+  kind claims in the parameters, including layers the capture then never takes (a recurrent
+  cell, a tied embedding, a weight-standardized conv). The statistics of one abstract capture
+  say which layers it does take; ``precondition_mask=captured_mask(stats)`` (on every alias)
+  keeps the preconditioner, and its state, to those::
+
+    _, stats = jax.eval_shape(capture, params, x, y)  # no FLOPs
+    tx = thor_optax.thor(0.1, 0.03, precondition_mask=thor_optax.captured_mask(stats))
+
+  Args:
+    stats: a :class:`CurvatureStats` (concrete or from ``jax.eval_shape``) or its ``layers``.
+
+  Returns:
+    ``mask(params) -> tree of bool`` (optax's callable-mask form): ``True`` at the leaves of
+    the modules that have statistics, ``False`` elsewhere. Works on linen ``params`` dicts,
+    boxed parameters and NNX ``nnx.State`` trees alike (leaves matched by module path).
+
+  Raises:
+    TypeError: as :func:`flatten_layer_stats`, if ``stats`` is not a tree of layer statistics.
+  """
+  names = frozenset(flatten_layer_stats(stats))
+
+  def mask(params: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: layer_name(path_keys(path)[:-1]) in names, params)
+
+  return mask
 
 
 def path_keys(path: tuple[Any, ...]) -> tuple[str, ...]:
