@@ -83,7 +83,7 @@ def _module_paths(params: Any) -> set[tuple[str, ...]]:
   return {stats_lib.path_keys(path)[:-1] for path, _ in flat}
 
 
-def output_cotangents(outputs: jax.Array, dloss: jax.Array, n_examples: int, fisher_type: str,
+def output_cotangents(outputs: jax.Array, dloss: jax.Array, num_terms: int, fisher_type: str,
                       likelihood: Optional[str], num_samples: int,
                       rng: Optional[jax.Array]) -> jax.Array:
   """Per-example cotangents at the model output, ``(S, *outputs.shape)``.
@@ -94,7 +94,7 @@ def output_cotangents(outputs: jax.Array, dloss: jax.Array, n_examples: int, fis
   Args:
     outputs: model outputs, ``(N, ..., K)``.
     dloss: gradient of the (mean) training loss w.r.t. ``outputs``.
-    n_examples: number of terms the loss averages (``dloss * n_examples`` is per example).
+    num_terms: number of terms the loss averages (``dloss * num_terms`` is per example).
     fisher_type: ``'empirical'``, ``'sampled'`` or ``'exact'``.
     likelihood: ``'softmax_cross_entropy'`` or ``'squared_error'`` (``0.5 ||y - f||^2`` per
       example) for the sampled and exact types.
@@ -106,7 +106,7 @@ def output_cotangents(outputs: jax.Array, dloss: jax.Array, n_examples: int, fis
     exact).
   """
   if fisher_type == "empirical":
-    return (dloss * n_examples)[None]
+    return (dloss * num_terms)[None]
   f = outputs.astype(jnp.promote_types(outputs.dtype, jnp.float32))
   k = f.shape[-1]
   if fisher_type == "sampled":
@@ -289,13 +289,16 @@ def _set_nested(tree: dict, path: tuple[Any, ...], value: Any) -> Any:
 def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
                      unhandled: Mapping[tuple[Any, ...], str],
                      layer_inputs: Mapping[tuple[Any, ...], jax.Array],
-                     cts: Mapping[tuple[Any, ...], jax.Array]) -> stats_lib.CurvatureStats:
+                     cts: Mapping[tuple[Any, ...], jax.Array],
+                     num_terms: int) -> stats_lib.CurvatureStats:
   """Each captured layer's statistics, built by its kind from the recorded inputs (``x_hat``
   for normalization layers) and the per-example output cotangents; a stack of layers
   (``stack=(L,)``) gets its kind's statistics with a leading ``L`` axis on every field."""
   layers: Any = {}
   for path, c in captured.items():
-    make = functools.partial(c["kind"].make_stats, **c["meta"])
+    def make(x, g, kind=c["kind"], meta=c["meta"]):
+      return kind.per_loss_term(kind.make_stats(x, g, **meta), num_terms)
+
     for _ in c["stack"]:  # inputs (L, N, ...), cotangents (S, L, N, ...)
       make = jax.vmap(make, in_axes=(0, 1))
     layers = _set_nested(layers, path, make(layer_inputs[path], cts[path]))
@@ -376,9 +379,9 @@ def vjp_with_stats(
   loss, dloss = jax.value_and_grad(loss_fn)(outputs, targets)
   dloss = jax.tree.map(lambda d, o: d.astype(o.dtype), dloss, outputs)
   grads, layer_cts = vjp_fn(dloss)
-  n_examples = loss_terms(outputs, options)
+  num_terms = loss_terms(outputs, options)
   if options.fisher_type == "empirical":
-    cts = jax.tree.map(lambda c: (c * n_examples)[None], layer_cts)
+    cts = jax.tree.map(lambda c: (c * num_terms)[None], layer_cts)
   else:
     if not isinstance(outputs, jax.Array):
       raise ValueError(
@@ -386,10 +389,11 @@ def vjp_with_stats(
           "targets from the model's predictive distribution, so the model must return one "
           f"array of logits; it returns a {type(outputs).__name__}. Use "
           "fisher_type='empirical', or capture a wrapper module that returns the logits.")
-    out_cts = output_cotangents(outputs, dloss, n_examples, options.fisher_type,
+    out_cts = output_cotangents(outputs, dloss, num_terms, options.fisher_type,
                                 options.likelihood, options.num_samples, rng)
     cts = jax.vmap(lambda ct: vjp_fn(ct)[1])(out_cts)
-  return loss, grads, _curvature_stats(captured, unhandled, layer_inputs, cts), aux
+  stats = _curvature_stats(captured, unhandled, layer_inputs, cts, num_terms)
+  return loss, grads, stats, aux
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
@@ -226,6 +227,18 @@ class LayerKind(abc.ABC):
     :attr:`normalized_input` kinds) and per-example output cotangents ``(S, N, ...)``."""
     return self.stats_type(inputs=inputs, cotangents=cotangents, **meta)
 
+  def per_loss_term(self, stats: Any, num_terms: int) -> Any:
+    """The statistics of one call for a mean loss of ``num_terms`` terms.
+
+    A kind whose factors average rows over examples x positions (``A = (1/N) sum_{n,t}``)
+    overrides this to regroup its example axis so that it counts the loss terms: with ``M``
+    terms the expand factor is ``A = (1/M) sum_{n,t} a a^T`` (Eschenhagen et al. 2023, K-FAC-
+    expand), so a per-position loss (``M = N T``) gives the same curvature as the batch
+    flattened to ``(N T, d)``, and a per-example loss (``M = N``) KFC's. Default: unchanged.
+    """
+    del num_terms
+    return stats
+
   # ---- parameters ----------------------------------------------------------------------------
 
   @abc.abstractmethod
@@ -351,3 +364,23 @@ class LayerFactors(NamedTuple):
   d_a: jax.Array
   d_g: jax.Array
   finite: jax.Array
+
+
+def regroup_examples(inputs: jax.Array, cotangents: jax.Array, num_terms: int,
+                     feature_axes: int) -> tuple[jax.Array, jax.Array]:
+  """``(inputs, cotangents)`` with the example axis regrouped to ``num_terms`` loss terms.
+
+  ``inputs`` ``(N, P..., F...)`` (``feature_axes`` trailing feature axes) and cotangents
+  ``(S, N, P..., d)`` become ``(M, N P / M, F...)`` and ``(S, M, N P / M, d)``, the rows in the
+  same order; factors that sum over all rows and divide by the leading count then divide by
+  ``M``. Left as they are when ``M <= N`` (a per-example or summed loss) or when ``N P`` rows
+  do not split into ``M`` groups (a layer with fewer positions than the loss has terms).
+  """
+  n = inputs.shape[0]
+  rows = math.prod(inputs.shape[:inputs.ndim - feature_axes])
+  if num_terms <= n or rows % num_terms:
+    return inputs, cotangents
+  features = inputs.shape[inputs.ndim - feature_axes:]
+  return (inputs.reshape((num_terms, rows // num_terms) + features),
+          cotangents.reshape((cotangents.shape[0], num_terms, rows // num_terms,
+                              cotangents.shape[-1])))

@@ -1,11 +1,16 @@
 """Dense layers ``y = x @ kernel (+ bias)``: Flax ``nn.Dense`` and ``nnx.Linear``.
 
-Factors (Martens & Grosse 2015, eq. 1; with positions as in KFC, Grosse & Martens 2016): for
-inputs ``(N, ..., d_in)`` whose middle axes are ``T`` positions sharing the weights,
+Factors (Martens & Grosse 2015, eq. 1; K-FAC-expand over positions, Eschenhagen et al. 2023):
+for inputs ``(N, ..., d_in)`` whose middle axes are ``T`` positions sharing the weights and a
+mean loss of ``M`` terms,
 
-    A = (1/N) sum_{n,t} a_{n,t} a_{n,t}^T,   G = (1/(N T)) sum_{s,n,t} g_{s,n,t} g_{s,n,t}^T,
+    A = (1/M) sum_{n,t} a_{n,t} a_{n,t}^T,   G = (1/(N T)) sum_{s,n,t} g_{s,n,t} g_{s,n,t}^T,
 
-with a ones column appended to ``a`` for the bias. The kernel gradient is already the
+with a ones column appended to ``a`` for the bias and ``g`` the cotangents of one loss term.
+``M = N`` (a loss per example) is KFC's convolution rule (Grosse & Martens 2016); ``M = N T`` (a
+loss per position, language modelling) gives exactly the curvature of the batch flattened to
+``(N T, d_in)``. The capture regroups the example axis to ``M`` (:meth:`Dense.per_loss_term`),
+so the factors read ``M`` from the statistics' leading axis. The kernel gradient is already the
 ``(d_in, d_out)`` matrix (bias row appended).
 
 References:
@@ -34,9 +39,11 @@ class DenseStats:
   Attributes:
     inputs: layer input ``a``, shape ``(N, ..., d_in)``; axis 0 indexes examples, any further
       leading axes are positions that share the weights.
-    cotangents: per-example output cotangents ``g = dL_n/dy``, shape ``(S, N, ..., d_out)``,
-      where ``S`` is the number of cotangent samples (1 for the empirical Fisher). ``G`` sums
-      over ``S`` and averages over examples and positions.
+    cotangents: output cotangents of one loss term ``g = M dL/dy`` (``M`` loss terms), shape
+      ``(S, N, ..., d_out)``, where ``S`` is the number of cotangent samples (1 for the
+      empirical Fisher). ``G`` sums over ``S`` and averages over examples and positions;
+      ``A`` divides by ``N``, the leading axis, which the capture makes the number of loss
+      terms (a per-position loss: ``(N T, 1, d)``).
   """
 
   inputs: jax.Array
@@ -99,8 +106,13 @@ class Dense(base.LayerKind):
     check_cotangents(spec, stats)
     check_inputs(spec, stats, spec.kernel_shape[0])
 
+  def per_loss_term(self, stats, num_terms):
+    inputs, cotangents = base.regroup_examples(stats.inputs, stats.cotangents, num_terms, 1)
+    return DenseStats(inputs=inputs, cotangents=cotangents)
+
   def input_rows(self, spec, stats, dtype, *, sampling=None, key=None) -> base.FactorRows:
-    """``(N T, d_in (+1))`` rows with scale ``1 / N``."""
+    """``(N T, d_in (+1))`` rows with scale ``1 / N`` (``N``: the leading axis, the loss terms
+    after :meth:`per_loss_term`)."""
     del sampling, key
     x = stats.inputs
     rows = x.reshape(-1, x.shape[-1]).astype(dtype)

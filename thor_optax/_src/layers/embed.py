@@ -88,6 +88,10 @@ class Embed(base.LayerKind):
   methods = ("__call__", "attend")
   weight = "embedding"
 
+  def per_loss_term(self, stats, num_terms):
+    ids, cotangents = base.regroup_examples(stats.inputs, stats.cotangents, num_terms, 0)
+    return EmbedStats(inputs=ids, cotangents=cotangents)
+
   def plan(self, module, methods, input_shape) -> base.Plan:
     del module
     if "attend" in methods:
