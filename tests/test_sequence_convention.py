@@ -6,7 +6,9 @@ K-FAC-expand (Eschenhagen et al., NeurIPS 2023): for a mean loss of ``M`` terms,
 capture regroups a layer's example axis to the loss terms (``LayerKind.per_loss_term``), so a
 per-position loss (``M = N T``) divides ``A`` by ``N T``, not ``N``: before, the curvature was
 ``T`` times the Gauss-Newton matrix and the update differed from the flattened batch's.
-Float64, dense references.
+K-FAC-reduce (``weight_sharing='reduce'``, the default for a loss per example): inputs
+averaged and cotangents summed over positions. Each is exact for deep linear networks in its
+setting. Float64, dense references.
 """
 
 import flax.linen as nn
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 import thor_optax
+import thor_optax.flax
 
 import reference
 from reference import float64_mode, randn, softmax_ce, squared_error  # pylint: disable=unused-import
@@ -76,18 +79,72 @@ def test_linear_layer_per_position_loss_gets_the_gauss_newton_matrix():
   np.testing.assert_allclose(updates["kernel"], want, rtol=0, atol=1e-12)
 
 
-def test_per_example_loss_keeps_the_example_axis():
-  """A loss per example (the sequence pooled before the head): ``M = N``, KFC's rule."""
+class Pooled(nn.Module):
+  """Dense -> tanh -> mean over positions -> Dense: a loss per example."""
 
-  class Pooled(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(K, name="head")(jnp.tanh(nn.Dense(7, name="hidden")(x)).mean(axis=1))
 
-    @nn.compact
-    def __call__(self, x):
-      return nn.Dense(K, name="head")(jnp.tanh(nn.Dense(7, name="hidden")(x)).mean(axis=1))
 
+def test_per_example_loss_reduces_by_default_and_expands_on_request():
+  """A loss per example (the sequence pooled before the head): ``M = N``. ``'auto'`` reduces
+  (inputs averaged, cotangents summed over positions); ``'expand'`` keeps KFC's rows."""
   x = jnp.asarray(randn(4, (N, T, D)))
   y = jnp.arange(N) % K
   params = reference.init_params(Pooled(), x)
-  (_, _), stats = reference.capture(Pooled(), softmax_ce)(params, x, y)
-  assert stats.layers["hidden"].inputs.shape == (N, T, D)
-  assert stats.layers["head"].inputs.shape == (N, 7)
+  (_, _), auto = reference.capture(Pooled(), softmax_ce)(params, x, y)
+  (_, _), expand = reference.capture(Pooled(), softmax_ce, weight_sharing="expand")(
+      params, x, y)
+  assert expand.layers["hidden"].inputs.shape == (N, T, D)
+  assert auto.layers["hidden"].inputs.shape == (N, D)
+  np.testing.assert_allclose(auto.layers["hidden"].inputs, np.asarray(x).mean(1), atol=1e-15)
+  np.testing.assert_allclose(auto.layers["hidden"].cotangents,
+                             np.asarray(expand.layers["hidden"].cotangents).sum(2), atol=1e-13)
+  assert auto.layers["head"].inputs.shape == expand.layers["head"].inputs.shape == (N, 7)
+  with pytest.raises(ValueError, match="weight_sharing"):
+    thor_optax.flax.value_and_grad_with_stats(Pooled(), softmax_ce, weight_sharing="mean")
+
+
+class DeepLinear(nn.Module):
+  """Two bias-less dense layers shared over positions, optionally pooled before the loss."""
+  pooled: bool
+
+  @nn.compact
+  def __call__(self, x):
+    z = nn.Dense(K, use_bias=False, name="w2")(nn.Dense(7, use_bias=False, name="w1")(x))
+    return z.mean(axis=1) if self.pooled else z
+
+
+@pytest.mark.parametrize("weight_sharing,pooled", [("reduce", True), ("expand", False)])
+def test_weight_sharing_is_exact_for_deep_linear_networks(weight_sharing, pooled):
+  """Eschenhagen et al. 2023: for a deep linear network with weight sharing and squared error,
+  K-FAC-reduce (positions pooled before the loss) and K-FAC-expand (a loss per position) give
+  each layer's exact Gauss-Newton block: here the loss's Hessian block, ``A (x) G`` with
+  ``A = (1/M) sum a a^T`` over the pooled inputs or every position, ``G = W_next W_next^T``."""
+  x = jnp.asarray(randn(5, (N, T, D)))
+  y = jnp.asarray(randn(6, (N, K) if pooled else (N, T, K)))
+  model = DeepLinear(pooled)
+  params = reference.init_params(model, x)
+  tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None)
+  updates, _ = _update(model, squared_error, params, x, y, tx, fisher_type="exact",
+                       likelihood="squared_error", weight_sharing=weight_sharing)
+
+  def loss(p):
+    return squared_error(model.apply({"params": p}, x), y)
+
+  grads = jax.grad(loss)(params)
+  w1, w2 = np.asarray(params["w1"]["kernel"]), np.asarray(params["w2"]["kernel"])
+  xs = np.asarray(x)
+  rows1 = xs.mean(1) if pooled else xs.reshape(-1, D)
+  rows2 = rows1 @ w1
+  factors = {"w1": (rows1.T @ rows1 / len(rows1), w2 @ w2.T),
+             "w2": (rows2.T @ rows2 / len(rows2), np.eye(K))}
+  s = np.sqrt(DAMPING)
+  for name, (a, g) in factors.items():
+    shape = params[name]["kernel"].shape
+    hessian = jax.hessian(lambda w, name=name: loss({**params, name: {"kernel": w}}))(
+        params[name]["kernel"]).reshape(np.prod(shape), np.prod(shape))
+    np.testing.assert_allclose(np.kron(a, g), hessian, rtol=0, atol=1e-13)
+    want = reference.kron_update(a, g, np.asarray(grads[name]["kernel"]), s, s)
+    np.testing.assert_allclose(updates[name]["kernel"], want, rtol=0, atol=1e-12)

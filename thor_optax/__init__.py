@@ -16,10 +16,13 @@ Public API (import from here, ``thor_optax.flax`` or ``thor_optax.nnx``; never f
   accumulation with ``optax.MultiSteps``).
 * ``thor_learning_rate_schedule``, ``thor_damping_schedule``: the paper's schedule shapes.
 * ``CheckSchedule``, ``growing_interval``: which steps are check steps.
-* ``captured_mask``: the ``precondition_mask`` of the aliases, from a capture's statistics
-  (no curvature state for layers the capture never takes).
+* ``captured_layers``, ``CapturedLayers``: the ``layers=`` of the preconditioners and aliases,
+  from a capture's statistics (the layers it takes, laid out as it takes them: attention
+  projections without bias, einsums); ``captured_mask``: the ``precondition_mask`` of the
+  aliases, from the same statistics (no curvature state for layers the capture never takes).
 * ``KroneckerState``, ``LayerDiagnostics``: the transform state and its per-layer record.
-* ``DenseStats``, ``ConvStats``, ``EmbedStats``, ``NormStats``, ``CurvatureStats``: raw
+* ``DenseStats``, ``DenseGeneralStats``, ``ConvStats``, ``EmbedStats``, ``NormStats``,
+  ``CurvatureStats``: raw
   per-layer statistics.
 * ``LayerKind``, ``register_layer_kind``, ``unregister_layer_kind``: layer kinds of one's own
   (``thor_optax.layers`` has the pieces a kind is built from and the built-in kinds).
@@ -41,7 +44,9 @@ from thor_optax._src.schedule import CheckSchedule
 from thor_optax._src.sharding import kronecker_state_sharding
 from thor_optax._src.schedule import growing_interval
 from thor_optax._src.stats import ConvStats
+from thor_optax._src.stats import captured_layers
 from thor_optax._src.stats import captured_mask
+from thor_optax._src.stats import CapturedLayers
 from thor_optax._src.stats import CurvatureStats
 from thor_optax._src.kl_clip import KLClipState
 from thor_optax._src.layers import register_layer_kind
@@ -49,6 +54,7 @@ from thor_optax._src.layers import unregister_layer_kind
 from thor_optax._src.layers.base import LayerKind
 from thor_optax._src.micro_batches import concatenate_stats
 from thor_optax._src.kl_clip import scale_by_kl_clip
+from thor_optax._src.stats import DenseGeneralStats
 from thor_optax._src.stats import DenseStats
 from thor_optax._src.stats import EmbedStats
 from thor_optax._src.stats import NormStats
@@ -64,6 +70,7 @@ __all__ = (
     "CheckSchedule",
     "ConvStats",
     "CurvatureStats",
+    "DenseGeneralStats",
     "DenseStats",
     "EmbedStats",
     "KLClipState",
@@ -71,6 +78,8 @@ __all__ = (
     "LayerDiagnostics",
     "LayerKind",
     "NormStats",
+    "CapturedLayers",
+    "captured_layers",
     "captured_mask",
     "growing_interval",
     "concatenate_stats",

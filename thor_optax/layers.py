@@ -1,8 +1,9 @@
 """Layer kinds: what the package knows about each kind of layer, and how to add one.
 
 A kind is a :class:`LayerKind` subclass instance registered with :func:`register_layer_kind`
-(tried before the built-in kinds). The built-in kinds are ``DENSE``, ``CONV``, ``EMBED`` and
-``NORM``; subclass one of their classes to reuse its factors (see the README's "Layer kinds of
+(tried before the built-in kinds). The built-in kinds are instances of ``Dense``, ``Conv``,
+``DenseGeneral``, ``Embed`` and ``Norm`` (``registered()`` lists them in the order they are
+tried); subclass one of these classes to reuse its factors (see the README's "Layer kinds of
 your own").
 """
 
@@ -17,6 +18,7 @@ from thor_optax._src.layers.base import Plan
 from thor_optax._src.layers.conv import Conv
 from thor_optax._src.layers.conv import ConvSampling
 from thor_optax._src.layers.dense import Dense
+from thor_optax._src.layers.dense_general import DenseGeneral
 from thor_optax._src.layers.embed import Embed
 from thor_optax._src.layers.norm import Norm
 
@@ -25,6 +27,7 @@ __all__ = (
     "Conv",
     "ConvSampling",
     "Dense",
+    "DenseGeneral",
     "Embed",
     "FactorRows",
     "LayerKind",

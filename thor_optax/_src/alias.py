@@ -59,6 +59,7 @@ def thor(
     block_sharding: Optional[Any] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    layers: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """THOR: :func:`scale_by_thor`, then weight decay, then momentum SGD.
 
@@ -79,6 +80,9 @@ def thor(
     precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
       others skip the preconditioner (no Kronecker blocks in the state) and only take the
       steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
+    layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
+      layers it takes, as it takes them: attention projections without bias, einsums);
+      ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` to ``update`` on
@@ -91,7 +95,7 @@ def thor(
       _masked(transform.scale_by_thor(
           damping, block_size=block_size, trace_thresholds=trace_thresholds, ema_decay=ema_decay,
           pi_damping=pi_damping, inverse_method=inverse_method, block_sharding=block_sharding,
-          axis_name=axis_name), precondition_mask),
+          axis_name=axis_name, layers=layers), precondition_mask),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -111,6 +115,7 @@ def kfac(
     block_sharding: Optional[Any] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    layers: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC: :func:`scale_by_kfac`, then weight decay, then momentum SGD.
 
@@ -126,6 +131,9 @@ def kfac(
     precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
       others skip the preconditioner (no Kronecker blocks in the state) and only take the
       steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
+    layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
+      layers it takes, as it takes them: attention projections without bias, einsums);
+      ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -137,7 +145,7 @@ def kfac(
       _masked(transform.scale_by_kfac(
           damping, ema_decay=ema_decay, block_size=block_size, pi_damping=pi_damping,
           inverse_method=inverse_method, inverse_period=inverse_period,
-          block_sharding=block_sharding, axis_name=axis_name), precondition_mask),
+          block_sharding=block_sharding, axis_name=axis_name, layers=layers), precondition_mask),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -158,6 +166,7 @@ def skfac(
     block_sharding: Optional[Any] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    layers: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """SKFAC: current-batch factors inverted by Woodbury where they are low-rank, then momentum SGD.
 
@@ -183,6 +192,9 @@ def skfac(
     precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
       others skip the preconditioner (no Kronecker blocks in the state) and only take the
       steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
+    layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
+      layers it takes, as it takes them: attention projections without bias, einsums);
+      ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` on check steps.
@@ -195,7 +207,7 @@ def skfac(
           damping, ema_decay=None, block_size=block_size, inverse_method=inverse_method,
           conv_statistics=conv_statistics, spatial_samples=spatial_samples,
           subsample_key=subsample_key, woodbury_rows=woodbury_rows,
-          block_sharding=block_sharding, axis_name=axis_name), precondition_mask),
+          block_sharding=block_sharding, axis_name=axis_name, layers=layers), precondition_mask),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
 
 
@@ -214,6 +226,7 @@ def kaisa(
     block_sharding: Optional[Any] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    layers: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """KAISA: running-average factors, eigendecompositions every ``inverse_period`` steps, KL clip.
 
@@ -236,6 +249,9 @@ def kaisa(
     precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
       others skip the preconditioner (no Kronecker blocks in the state) and only take the
       steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
+    layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
+      layers it takes, as it takes them: attention projections without bias, einsums);
+      ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -245,7 +261,7 @@ def kaisa(
   """
   pre = transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
                                 inverse_method="eigh", inverse_period=inverse_period,
-                                block_sharding=block_sharding, axis_name=axis_name)
+                                block_sharding=block_sharding, axis_name=axis_name, layers=layers)
   if max_kl is not None:
     pre = kl_clip.scale_by_kl_clip(pre, learning_rate, max_kl)
   return optax.chain(
@@ -267,6 +283,7 @@ def spngd(
     block_sharding: Optional[Any] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    layers: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """SP-NGD: pi-damped K-FAC with adaptive refresh, unit-wise normalization layers, rescaling.
 
@@ -293,6 +310,9 @@ def spngd(
     precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
       others skip the preconditioner (no Kronecker blocks in the state) and only take the
       steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
+    layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
+      layers it takes, as it takes them: attention projections without bias, einsums);
+      ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -307,7 +327,7 @@ def spngd(
       _masked(transform.scale_by_kfac(
           damping, ema_decay=ema_decay, block_size=block_size, pi_damping=True,
           adaptive_refresh=adaptive_refresh, max_refresh_interval=max_refresh_interval,
-          block_sharding=block_sharding, axis_name=axis_name), precondition_mask),
+          block_sharding=block_sharding, axis_name=axis_name, layers=layers), precondition_mask),
       *tail)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -163,7 +163,8 @@ def _check_block_size(block_size: Any) -> Optional[int]:
 
 
 def build_layout(tree: Any, block_size: Optional[int],
-                 rank_of: Callable[[int], int] = lambda block: 0) -> BlockLayout:
+                 rank_of: Callable[[int], int] = lambda block: 0,
+                 captured: Optional[Mapping[str, tuple[str, tuple]]] = None) -> BlockLayout:
   """Builds the static layout of a parameter (or gradient) tree from the registered layer kinds.
 
   Args:
@@ -171,6 +172,10 @@ def build_layout(tree: Any, block_size: Optional[int],
     block_size: THOR split size ``b`` (positive int), or ``None`` for unsplit factors.
     rank_of: ``block -> m``, the rank of the low-rank form a group of blocks of that size is
       kept in (0: dense blocks); the inverse method's ``for_block(b).rank``.
+    captured: ``{layer name: (kind name, hint)}`` of the layers a capture takes
+      (``thor_optax.captured_layers``): only those layers are laid out, each claimed by its
+      kind from the hint (``LayerKind.claim_captured``); ``None``: every module a registered
+      kind claims from its parameter shapes alone.
 
   Returns:
     the :class:`BlockLayout`; layers appear in path order, ``A`` before ``G``.
@@ -195,7 +200,12 @@ def build_layout(tree: Any, block_size: Optional[int],
   specs = []
   for path, leaves in module_leaves(tree).items():
     shapes = {name: tuple(int(s) for s in np.shape(leaf)) for name, leaf in leaves.items()}
-    found = claim_stacked(path, shapes)
+    if captured is None:
+      found = claim_stacked(path, shapes)
+    elif stats_lib.layer_name(path) in captured:
+      found = claim_stacked(path, shapes, captured[stats_lib.layer_name(path)])
+    else:
+      found = None
     if found is None:
       continue
     kind, claim, stack = found
@@ -203,29 +213,51 @@ def build_layout(tree: Any, block_size: Optional[int],
     per_layer = {name: shape[len(stack):] for name, shape in shapes.items()}
     a = slot(claim.a_dim, copies)
     specs.append(layers_lib.LayerSpec(path, kind, tuple(sorted(per_layer.items())), a,
-                                      slot(claim.g_dim, copies), stack))
+                                      slot(claim.g_dim, copies), stack, claim.in_axes))
   groups = {group_key(b, r): (b, n) for (b, r), n in sorted(counts.items())}
   ranks = {group_key(b, r): r for (b, r) in sorted(counts) if r}
   return BlockLayout(tuple(specs), groups, block_size, ranks)
 
 
-def claim_stacked(path: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> Optional[tuple]:
+def claim_stacked(path: tuple[str, ...], shapes: dict[str, tuple[int, ...]],
+                  captured: Optional[tuple[str, tuple]] = None) -> Optional[tuple]:
   """``(kind, claim, stack)`` of a module's leaves: claimed as they are (``stack = ()``), or,
   when no kind claims them, as a stack of layers: the fewest leading axes shared by every leaf
   (``nn.scan`` / ``nn.vmap`` with ``variable_axes={'params': 0}`` stack a layer's parameters on
-  axis 0) whose removal leaves shapes a kind claims. ``None`` if neither."""
+  axis 0) whose removal leaves shapes a kind claims. ``captured``: ``(kind name, hint)`` from the
+  capture, which fixes the kind (claiming with ``LayerKind.claim_captured``). ``None`` if
+  neither.
+
+  Raises:
+    ValueError: if ``captured`` names a kind that is not registered, or one whose claim does not
+      fit the parameter shapes.
+  """
   from thor_optax._src import layers as layers_lib  # pylint: disable=import-outside-toplevel
-  found = layers_lib.claim(path, shapes)
+  if captured is None:
+    def claim(shapes):
+      return layers_lib.claim(path, shapes)
+  else:
+    kind = layers_lib.kind_named(captured[0])
+
+    def claim(shapes):
+      found = kind.claim_captured(path, shapes, captured[1])
+      return None if found is None else (kind, found)
+  found = claim(shapes)
   if found is not None:
     return found + ((),)
   rank = min((len(s) for s in shapes.values()), default=0)
   for k in range(1, rank):
     stack = next(iter(shapes.values()))[:k]
     if any(s[:k] != stack for s in shapes.values()):
-      return None
-    found = layers_lib.claim(path, {name: s[k:] for name, s in shapes.items()})
+      break
+    found = claim({name: s[k:] for name, s in shapes.items()})
     if found is not None:
       return found + (stack,)
+  if captured is not None:
+    raise ValueError(
+        f"layers=captured_layers(stats): the capture took layer "
+        f"{stats_lib.layer_name(path)!r} as a {captured[0]!r} layer {captured[1]}, which does "
+        f"not fit its parameter shapes {shapes}; was the layout made from another model?")
   return None
 
 

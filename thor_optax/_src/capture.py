@@ -139,6 +139,8 @@ class FisherOptions:
     loss_reduction: ``'mean'`` or ``'sum'``.
     num_loss_terms: the number of terms a mean loss averages (``N`` examples, or ``N * T``
       positions), or ``None`` to read it from the output's leading axes (:func:`loss_terms`).
+    weight_sharing: how layers shared over positions fold them, ``'auto'``, ``'expand'`` or
+      ``'reduce'`` (``LayerKind.per_loss_term``).
 
   Raises:
     ValueError: on an unknown ``fisher_type``, ``likelihood`` or ``loss_reduction``, a sampled
@@ -151,8 +153,12 @@ class FisherOptions:
   num_samples: int = 1
   loss_reduction: str = "mean"
   num_loss_terms: Optional[int] = None
+  weight_sharing: str = "auto"
 
   def __post_init__(self):
+    if self.weight_sharing not in layer_base.WEIGHT_SHARING:
+      raise ValueError(f"weight_sharing must be one of {layer_base.WEIGHT_SHARING}, got "
+                       f"{self.weight_sharing!r}")
     if self.fisher_type not in FISHER_TYPES:
       raise ValueError(
           f"fisher_type must be one of {FISHER_TYPES}, got {self.fisher_type!r}")
@@ -192,6 +198,8 @@ class Call(NamedTuple):
       0}``), ``()`` otherwise.
     shared_over: the lifted transform (``'nn.scan'``, ``'nnx.vmap'``, ...) that applies the layer's
       unstacked weights at every iteration (an ``nn.RNN`` cell), ``''`` otherwise.
+    lifted: whether the call runs inside a lifted transform (``nn.remat``, ``nnx.scan``, ...)
+      rather than directly in the model's forward pass.
   """
 
   module: Any
@@ -200,15 +208,17 @@ class Call(NamedTuple):
   out: jax.ShapeDtypeStruct
   stack: tuple[int, ...] = ()
   shared_over: str = ""
+  lifted: bool = False
 
 
 def note_call(calls: dict, path: tuple[Any, ...], mod: Any, method: str, args: tuple,
-              kwargs: dict, out: Any, stack: tuple[int, ...] = (), shared_over: str = "") -> None:
+              kwargs: dict, out: Any, stack: tuple[int, ...] = (), shared_over: str = "",
+              lifted: bool = False) -> None:
   """Records one call for :func:`plan_calls` (appends a :class:`Call` to ``calls[path]``)."""
   out_struct = (jax.ShapeDtypeStruct(out.shape, out.dtype) if hasattr(out, "shape") else None)
   calls.setdefault(path, []).append(
       Call(mod, method, tuple(primary_input(args, kwargs).shape), out_struct, tuple(stack),
-           shared_over))
+           shared_over, lifted))
 
 
 def path_name(path: tuple[Any, ...]) -> str:
@@ -236,10 +246,13 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
       (given to a module applied with ``.apply()``): listed, not captured.
 
   Returns:
-    ``(captured, unhandled)``: ``captured[path] = dict(kind=, meta=, out=, stack=)`` with
-    ``kind`` the module's ``LayerKind``, ``meta`` the static metadata of its statistics,
-    ``out`` the output's ``ShapeDtypeStruct`` and ``stack`` the leading stack axes of its
-    parameters; ``unhandled[path] = reason``.
+    ``(captured, unhandled)``: ``captured[path] = dict(kind=, meta=, out=, stack=, uses=)``
+    with ``kind`` the module's ``LayerKind``, ``meta`` the static metadata of its statistics,
+    ``out`` the output's ``ShapeDtypeStruct``, ``stack`` the leading stack axes of its
+    parameters and ``uses`` ``None`` for a layer called once, or the calls (:class:`Call`) of
+    a layer whose weights are used several times in the forward pass (weight sharing: a layer
+    called twice, a tied embedding's ``__call__`` and ``attend``; :func:`shared_uses`);
+    ``unhandled[path] = reason``.
   """
   unhandled: dict[tuple[Any, ...], str] = {}
   captured: dict[tuple[Any, ...], dict] = {}
@@ -261,18 +274,51 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
       plan = layer_base.Plan(None, (
           f"its weights are shared by every iteration of {first.shared_over} (a recurrent "
           "cell, or a layer mapped over a dimension): weight sharing is not preconditioned yet"))
-    elif n_calls > 1:
-      plan = layer_base.Plan(None, f"called {n_calls} times per forward pass (shared layer)")
     elif path in (shared or {}):
       plan = layer_base.Plan(None, shared[path])
+    elif n_calls > 1 or any(c.method != "__call__" for c in seen):
+      plan = shared_uses(kind, plan, seen, n_calls)
     if plan.meta is None:
       unhandled[path] = plan.reason
       continue
-    captured[path] = dict(kind=kind, meta=plan.meta, out=first.out, stack=first.stack)
+    sharing = n_calls > 1 or any(c.method != "__call__" for c in seen)
+    uses = tuple(seen) if sharing else None
+    captured[path] = dict(kind=kind, meta=plan.meta, out=first.out, stack=first.stack,
+                          uses=uses)
   for path, reason in {**module_reasons, **(shared or {})}.items():
     if path not in captured and path not in unhandled:
       unhandled[path] = reason
   return captured, unhandled
+
+
+def shared_uses(kind: layer_base.LayerKind, plan: layer_base.Plan, seen: Sequence[Call],
+                n_calls: int) -> layer_base.Plan:
+  """The plan of a layer whose weights are used several times in one forward pass.
+
+  Weight sharing (Eschenhagen et al., NeurIPS 2023): every use is a set of positions of the one
+  weight, folded as the capture's ``weight_sharing`` says. Captured when the kind can join its
+  uses (:attr:`LayerKind.shares_weights`: dense layers called several times, an embedding's
+  ``__call__`` and ``attend``), every use runs directly in the forward pass (not inside a lifted
+  transform, which may trace it more than once) and on the same number of examples; otherwise
+  the plan lists the layer with the reason.
+  """
+  methods = [c.method for c in seen]
+  what = (f"called {n_calls} times per forward pass (shared layer)"
+          if set(methods) == {"__call__"} else
+          f"{' and '.join(sorted(set(methods)))} used in one forward pass (shared layer, e.g. a "
+          "tied embedding)")
+  if plan.meta is None:
+    return plan
+  if not kind.shares_weights:
+    return layer_base.Plan(None, f"{what}: weight sharing of a {kind.name!r} layer is not "
+                           "preconditioned")
+  if any(c.lifted or c.stack for c in seen):
+    return layer_base.Plan(None, f"{what} inside a lifted transform: weight sharing is "
+                           "preconditioned for layers used directly in the forward pass")
+  if len({c.input_shape[:1] for c in seen}) > 1:
+    return layer_base.Plan(None, f"{what} on different numbers of examples "
+                           f"{sorted({c.input_shape[:1] for c in seen})}")
+  return plan
 
 
 def _set_nested(tree: dict, path: tuple[Any, ...], value: Any) -> Any:
@@ -290,14 +336,21 @@ def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
                      unhandled: Mapping[tuple[Any, ...], str],
                      layer_inputs: Mapping[tuple[Any, ...], jax.Array],
                      cts: Mapping[tuple[Any, ...], jax.Array],
-                     num_terms: int) -> stats_lib.CurvatureStats:
+                     num_terms: int, weight_sharing: str) -> stats_lib.CurvatureStats:
   """Each captured layer's statistics, built by its kind from the recorded inputs (``x_hat``
   for normalization layers) and the per-example output cotangents; a stack of layers
   (``stack=(L,)``) gets its kind's statistics with a leading ``L`` axis on every field."""
   layers: Any = {}
   for path, c in captured.items():
+    if c["uses"]:  # weight sharing: one statistics of every use
+      kind = c["kind"]
+      joined = kind.make_shared_stats(tuple(u.method for u in c["uses"]), layer_inputs[path],
+                                      cts[path], **c["meta"])
+      layers = _set_nested(layers, path, kind.per_loss_term(joined, num_terms, weight_sharing))
+      continue
+
     def make(x, g, kind=c["kind"], meta=c["meta"]):
-      return kind.per_loss_term(kind.make_stats(x, g, **meta), num_terms)
+      return kind.per_loss_term(kind.make_stats(x, g, **meta), num_terms, weight_sharing)
 
     for _ in c["stack"]:  # inputs (L, N, ...), cotangents (S, L, N, ...)
       make = jax.vmap(make, in_axes=(0, 1))
@@ -354,8 +407,9 @@ def vjp_with_stats(
   Args:
     forward: ``forward(params, perturbations) -> (outputs, (layer_inputs, aux))``: the model's
       forward pass that adds ``perturbations[path]`` (zeros of the layer's output shape, with
-      the leading stack axes of a stacked layer) to the output of every captured layer and
-      records its input (``x_hat`` for a normalization layer) in ``layer_inputs[path]``;
+      the leading stack axes of a stacked layer; for a layer with ``uses``, a tuple of them,
+      one per use in call order) to the output of every captured layer and records its input
+      (``x_hat`` for a normalization layer; a tuple per use) in ``layer_inputs[path]``;
       ``outputs`` is any pytree; ``aux`` is passed through (e.g. updated model state).
     params: the differentiated parameters (any pytree).
     captured, unhandled: from :func:`plan_calls`.
@@ -374,6 +428,8 @@ def vjp_with_stats(
       is not one array (the predictive distribution needs the logits).
   """
   perturbations = {path: jnp.zeros(tuple(c["stack"]) + tuple(c["out"].shape), c["out"].dtype)
+                   if not c["uses"] else
+                   tuple(jnp.zeros(u.out.shape, u.out.dtype) for u in c["uses"])
                    for path, c in captured.items()}
   outputs, vjp_fn, (layer_inputs, aux) = jax.vjp(forward, params, perturbations, has_aux=True)
   loss, dloss = jax.value_and_grad(loss_fn)(outputs, targets)
@@ -392,7 +448,8 @@ def vjp_with_stats(
     out_cts = output_cotangents(outputs, dloss, num_terms, options.fisher_type,
                                 options.likelihood, options.num_samples, rng)
     cts = jax.vmap(lambda ct: vjp_fn(ct)[1])(out_cts)
-  stats = _curvature_stats(captured, unhandled, layer_inputs, cts, num_terms)
+  stats = _curvature_stats(captured, unhandled, layer_inputs, cts, num_terms,
+                           options.weight_sharing)
   return loss, grads, stats, aux
 
 
@@ -528,7 +585,8 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
       return out
     place = ctx.placement(mod)
     stack, shared_over = place if place is not None else ((), "")
-    note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over)
+    note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over,
+              lifted=mod.scope.root is not ctx.root)
     if method == "__call__" and place is not None and not shared_over:
       seen = (mod.scope.get_variable("params", _CALLS)
               if mod.scope.has_variable("params", _CALLS) else jnp.zeros((0,)))
@@ -626,22 +684,32 @@ def _with_channels(params: Any, perts: Mapping[tuple[str, ...], jax.Array]) -> A
   return tree
 
 
-def _forward(apply: _Apply, model_state: dict, inputs: Any, normalized: set, params: Any,
+def _forward(apply: _Apply, model_state: dict, inputs: Any, normalized: set,
+             shared: Mapping[tuple[str, ...], frozenset], params: Any,
              perts: dict) -> tuple[Any, tuple[dict, Any]]:
   """The forward pass that records captured layers' inputs and perturbs their outputs.
 
   Both go through each layer's own ``params`` scope (its perturbation is read from
   ``_PERTURBATION`` beside its parameters and its input written to ``_INPUTS``), so they pass
   through linen's lifted transforms as its parameters do: sliced and stacked by ``nn.scan``,
-  rematerialized by ``nn.remat``.
+  rematerialized by ``nn.remat``. A layer with several uses (``shared[path]``: the methods of
+  its uses; ``perts[path]`` a tuple, one per use; only layers called directly) is handled in
+  this trace: its ``i``-th call of those methods adds the ``i``-th perturbation and its inputs
+  come back as a tuple.
   """
   ctx = _Context({})
   in_clone = [False]  # the x_hat clone's own call passes through the interceptor
+  used: dict[tuple[str, ...], list] = {p: [] for p in shared}
 
   def intercept(next_fun, args, kwargs, context):
     mod = context.module
     ctx.enter(mod)
     path = tuple(mod.path)
+    if (path in used and context.method_name in shared[path] and not in_clone[0]
+        and not ctx.foreign(mod)):
+      i = len(used[path])
+      used[path].append(primary_input(args, kwargs))
+      return next_fun(*args, **kwargs) + perts[path][i]
     if (in_clone[0] or context.method_name != "__call__" or path not in perts
         or ctx.foreign(mod)):
       return next_fun(*args, **kwargs)
@@ -659,10 +727,12 @@ def _forward(apply: _Apply, model_state: dict, inputs: Any, normalized: set, par
     mod.scope.put_variable("params", _INPUTS, x_hat)
     return out + mod.scope.get_variable("params", _PERTURBATION)
 
-  variables = {"params": _with_channels(params, perts), **model_state}
+  channels = {p: z for p, z in perts.items() if p not in used}
+  variables = {"params": _with_channels(params, channels), **model_state}
   with nn.intercept_methods(intercept):
     outputs, mutated = apply.instrumented(variables, inputs)
-  layer_inputs = {path: _get(mutated["params"], path)[_INPUTS] for path in perts}
+  layer_inputs = {path: _get(mutated["params"], path)[_INPUTS] for path in channels}
+  layer_inputs.update({path: tuple(xs) for path, xs in used.items()})
   return outputs, (layer_inputs, apply.user_state(mutated))
 
 
@@ -675,6 +745,7 @@ def value_and_grad_with_stats(
     num_samples: int = 1,
     loss_reduction: str = "mean",
     num_loss_terms: Optional[int] = None,
+    weight_sharing: str = "auto",
 ) -> Callable[..., Any]:
   """Loss, gradients and per-layer curvature statistics in one forward and one backward pass.
 
@@ -695,6 +766,15 @@ def value_and_grad_with_stats(
       axes, which needs the model to return one array of rank >= 2 (``(N, K)`` -> ``N``,
       ``(N, T, K)`` -> ``N * T``); a model returning a tuple, dict or dataclass, or a rank-1
       array (``Dense(1)(x)[..., 0]``), must state it.
+    weight_sharing: how a dense layer applied at every position of a sequence (its weights
+      shared over the positions) folds them into its factors (Eschenhagen et al., NeurIPS
+      2023): ``'expand'`` (every position a row, ``A = (1/M) sum_{n,t} a a^T`` for ``M`` loss
+      terms; exact for a loss per position, language modelling), ``'reduce'`` (per example,
+      inputs averaged and cotangents summed over positions: ``N`` rows, about ``T`` times
+      cheaper; exact when positions are pooled before a per-example loss, a classifying
+      ViT), or ``'auto'`` (default): expand when the loss has more terms than examples, else
+      reduce. Dense and ``DenseGeneral`` layers; embeddings always expand, convolutions
+      follow the transforms' ``conv_statistics``.
 
   Returns:
     ``fn(params, inputs, targets, *, rng=None, model_state=None, mutable=False,
@@ -724,14 +804,15 @@ def value_and_grad_with_stats(
     ``model.apply`` (e.g. ``rngs=`` for dropout).
 
   Raises:
-    ValueError: on an unknown ``fisher_type``, ``likelihood`` or ``loss_reduction``, a sampled
-      or exact Fisher without a ``likelihood``, ``num_samples < 1`` or a bad
-      ``num_loss_terms``; from ``fn``, for a sampled Fisher called without ``rng``, a
-      ``model_state`` holding ``"params"``, outputs whose number of loss terms cannot be read
-      from their shape (see ``num_loss_terms``), or a sampled or exact Fisher of a model that
-      does not return one array.
+    ValueError: on an unknown ``fisher_type``, ``likelihood``, ``loss_reduction`` or
+      ``weight_sharing``, a sampled or exact Fisher without a ``likelihood``,
+      ``num_samples < 1`` or a bad ``num_loss_terms``; from ``fn``, for a sampled Fisher called
+      without ``rng``, a ``model_state`` holding ``"params"``, outputs whose number of loss
+      terms cannot be read from their shape (see ``num_loss_terms``), or a sampled or exact
+      Fisher of a model that does not return one array.
   """
-  options = FisherOptions(fisher_type, likelihood, num_samples, loss_reduction, num_loss_terms)
+  options = FisherOptions(fisher_type, likelihood, num_samples, loss_reduction, num_loss_terms,
+                          weight_sharing)
 
   def fn(params, inputs, targets, *, rng=None, model_state: Optional[Mapping] = None,
          mutable: Union[bool, str, Sequence[str]] = False, **apply_kwargs):
@@ -746,8 +827,10 @@ def value_and_grad_with_stats(
     captured, unhandled = plan_calls(
         calls, {path: "module kind not supported" for path in _module_paths(params)},
         counts, shared)
-    forward = functools.partial(_forward, apply, model_state, inputs,
-                                {p for p, c in captured.items() if c["kind"].normalized_input})
+    forward = functools.partial(
+        _forward, apply, model_state, inputs,
+        {p for p, c in captured.items() if c["kind"].normalized_input},
+        {p: frozenset(u.method for u in c["uses"]) for p, c in captured.items() if c["uses"]})
     loss, grads, stats, mutated = vjp_with_stats(forward, params, captured, unhandled, loss_fn,
                                                  targets, rng, options)
     if not apply.returns_state:

@@ -369,7 +369,13 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
         f"curvature_stats has statistics for {unknown}, which match no layer in the gradients "
         f"(layers and their kinds: {kinds}). Were they captured from a different model? Capture "
         "them from the model whose gradients you pass (inside optax.masked / optax.partition, "
-        "layers of the other partitions are ignored).")
+        "layers of the other partitions are ignored). A layer whose parameter shapes do not "
+        "show how the model applies it (an nn.Einsum kernel) needs the capture's layout: "
+        "layers=thor_optax.captured_layers(stats).")
+  for name, layer in flat.items():  # a layout from shapes that took the layer for another kind
+    spec = layout.layer(name)
+    if type(layer) is not spec.kind.stats_type:
+      layer_base.LayerKind.check_stats(spec.kind, spec, layer)
   flat = {name: (layout.layer(name).flat_stack(layer) if layout.layer(name).stack else layer)
           for name, layer in flat.items()}
   silent = {name: why for name, why in reasons.items()

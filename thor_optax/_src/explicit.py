@@ -107,8 +107,9 @@ def align_examples(stats: Any, example_axes: Mapping[str, int]) -> Any:
   local, gathering sharded features is an all-gather.
 
   Args:
-    stats: a layer kind's statistics (a dataclass whose ``example_axes`` fields are arrays:
-      ``DenseStats`` inputs ``(N, ..., d_in)`` and cotangents ``(S, N, ..., d_out)``, ...).
+    stats: a layer kind's statistics (a dataclass whose ``example_axes`` fields are arrays or
+      ``None``: ``DenseStats`` inputs ``(N, ..., d_in)`` and cotangents ``(S, N, ..., d_out)``,
+      ...).
     example_axes: the kind's ``{field: example axis}``.
 
   Returns:
@@ -117,7 +118,9 @@ def align_examples(stats: Any, example_axes: Mapping[str, int]) -> Any:
   """
   if not dataclasses.is_dataclass(stats):
     return stats
-  fields = {name: getattr(stats, name) for name in example_axes}
+  fields = {name: getattr(stats, name) for name in example_axes
+            if getattr(stats, name) is not None}  # optional fields (a tied embedding's)
+  example_axes = {name: axis for name, axis in example_axes.items() if name in fields}
   mesh = next((m for m in map(explicit_mesh, fields.values()) if m is not None), None)
   if mesh is None:
     return stats

@@ -45,13 +45,18 @@ def _join_layer(name: str, parts: list) -> stats_lib.LayerStats:
       raise ValueError(f"concatenate_stats: layer {name!r}: micro-batch {i} has metadata "
                        f"{other}, micro-batch 0 has {static}.")
     for key, axis in axes.items():
+      if (getattr(parts[0], key) is None) != (getattr(part, key) is None):
+        raise ValueError(f"concatenate_stats: layer {name!r}: {key} is None in one "
+                         "micro-batch only.")
+      if getattr(part, key) is None:  # an optional field (a tied embedding's), absent
+        continue
       want, got = getattr(parts[0], key).shape, getattr(part, key).shape
       if want[:axis] + want[axis + 1:] != got[:axis] + got[axis + 1:]:
         raise ValueError(
             f"concatenate_stats: layer {name!r}: {key} of micro-batch {i} has shape {got}, "
             f"expected {want} up to axis {axis} (the examples).")
   arrays = {key: jnp.concatenate([getattr(p, key) for p in parts], axis=axis)
-            for key, axis in axes.items()}
+            for key, axis in axes.items() if getattr(parts[0], key) is not None}
   return kind(**arrays, **static)
 
 

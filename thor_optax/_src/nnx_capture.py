@@ -46,7 +46,9 @@ Limitations:
   Kronecker factors per layer, and ``nnx.remat`` layers are captured as if called directly. A
   layer whose one set of weights is applied at every iteration (a cell broadcast into
   ``nnx.scan``, as in ``nnx.RNN``; a layer broadcast into ``nnx.vmap``) is weight sharing,
-  listed as unhandled;
+  listed as unhandled; a layer used several times directly in the forward pass (called twice,
+  a tied embedding's ``__call__`` and ``attend``) is captured with all its uses (weight
+  sharing, ``capture.shared_uses``);
 * calling a layer inside a raw ``jax`` transform of a closure (``jax.checkpoint``,
   ``jax.lax.scan``) within the model is not supported (use the ``nnx`` transforms).
 
@@ -256,7 +258,8 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
       if method == "__call__":
         getattr(mod, _PROBE).set_value(inner)
         written.add(path)
-      capture_lib.note_call(calls, path, mod, method, args, kwargs, out, stack, shared)
+      capture_lib.note_call(calls, path, mod, method, args, kwargs, out, stack, shared,
+                            lifted=mod is not layers[path])
       dtypes[path] = x.dtype
       return out
 
@@ -283,13 +286,20 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: dict, captured:
   inside lifted transforms receive their slice and hand their input back like parameters."""
   copy = nnx.merge(graphdef, params, rest, copy=True)
   layers = _tagged(copy)
+  used = {path: [] for path, c in captured.items() if c["uses"]}  # weight sharing
   for path, c in captured.items():
+    if path in used:
+      continue
     setattr(layers[path], _PERTURBATION, _Channel(perts[path]))
     shape = tuple(c["stack"]) + tuple(c["input_shape"])
     setattr(layers[path], _INPUT, _Channel(jnp.zeros(shape, dtypes[path])))
 
   def intercept(original, mod, method, args, kwargs):
     path = getattr(mod, _PATH, None)
+    if path in used and mod is layers[path]:  # the i-th use of a shared layer, in this trace
+      i = len(used[path])
+      used[path].append(capture_lib.primary_input(args, kwargs))
+      return original(mod, *args, **kwargs) + perts[path][i]
     if method != "__call__" or path not in captured:
       return original(mod, *args, **kwargs)
     if not captured[path]["kind"].normalized_input:
@@ -302,7 +312,9 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: dict, captured:
 
   with _intercept(intercept):
     outputs = copy(inputs, **call_kwargs)
-  layer_inputs = {path: getattr(layers[path], _INPUT).get_value() for path in captured}
+  layer_inputs = {path: getattr(layers[path], _INPUT).get_value() for path in captured
+                  if path not in used}
+  layer_inputs.update({path: tuple(xs) for path, xs in used.items()})
   _, _, new_rest = nnx.split(copy, nnx.Param, ...)  # the channels are Params: not in new_rest
   return outputs, (layer_inputs, new_rest)
 
@@ -315,6 +327,7 @@ def value_and_grad_with_stats(
     num_samples: int = 1,
     loss_reduction: str = "mean",
     num_loss_terms: Optional[int] = None,
+    weight_sharing: str = "auto",
 ) -> Callable[..., Any]:
   """Loss, gradients and per-layer curvature statistics of a Flax NNX model, in one pass.
 
@@ -342,6 +355,9 @@ def value_and_grad_with_stats(
     num_loss_terms: how many terms a mean loss averages (``N`` examples, ``N * T`` positions);
       ``None`` reads it from the output's leading axes, which needs one output array of rank
       >= 2 (a model returning a tuple, dict or dataclass, or a rank-1 array, must state it).
+    weight_sharing: ``'auto'`` (default), ``'expand'`` or ``'reduce'``: how a layer applied at
+      every position folds the positions into its factors (see
+      ``thor_optax.flax.value_and_grad_with_stats``).
 
   Returns:
     ``fn(model, inputs, targets, rng=None, **call_kwargs) -> ((loss, grads), stats)``, which
@@ -367,7 +383,8 @@ def value_and_grad_with_stats(
     as by ``model(inputs, **call_kwargs)``; ``fn`` may be called inside ``nnx.jit``.
 
   Raises:
-    ValueError: on an unknown ``fisher_type``, ``likelihood`` or ``loss_reduction``, a sampled
+    ValueError: on an unknown ``fisher_type``, ``likelihood``, ``loss_reduction`` or
+      ``weight_sharing``, a sampled
       or exact Fisher without a ``likelihood``, ``num_samples < 1`` or a bad
       ``num_loss_terms``; from ``fn``, for a sampled Fisher called without ``rng``, outputs
       whose number of loss terms cannot be read from their shape, or a sampled or exact Fisher
@@ -380,7 +397,7 @@ def value_and_grad_with_stats(
     kfac-jax ``tracer.py`` (output perturbations); Flax NNX functional API (split/merge/update).
   """
   options = capture_lib.FisherOptions(fisher_type, likelihood, num_samples, loss_reduction,
-                                      num_loss_terms)
+                                      num_loss_terms, weight_sharing)
 
   def fn(model, inputs, targets, rng=None, **call_kwargs):
     options.check_rng(rng)

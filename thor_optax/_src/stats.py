@@ -23,11 +23,13 @@ import jax
 from thor_optax._src import layers as layers_lib
 from thor_optax._src.layers import conv
 from thor_optax._src.layers import dense
+from thor_optax._src.layers import dense_general
 from thor_optax._src.layers import embed
 from thor_optax._src.layers import norm
 
 
 DenseStats = dense.DenseStats
+DenseGeneralStats = dense_general.DenseGeneralStats
 ConvStats = conv.ConvStats
 EmbedStats = embed.EmbedStats
 NormStats = norm.NormStats
@@ -112,6 +114,53 @@ def captured_mask(stats: CurvatureStats | Mapping[str, Any]) -> Callable[[Any], 
         lambda path, _: layer_name(path_keys(path)[:-1]) in names, params)
 
   return mask
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedLayers:
+  """The layers a capture takes and how: the ``layers=`` of the preconditioners and aliases.
+
+  Attributes:
+    layers: ``((layer name, kind name, hint), ...)`` sorted by name; ``hint`` is the kind's
+      static facts of the layer's statistics (``LayerKind.hint``: for a ``DenseGeneral``
+      kernel, how many of its axes are inputs).
+  """
+
+  layers: tuple[tuple[str, str, tuple], ...]
+
+  @property
+  def kinds(self) -> dict[str, tuple[str, tuple]]:
+    """``{layer name: (kind name, hint)}``."""
+    return {name: (kind, hint) for name, kind, hint in self.layers}
+
+
+def captured_layers(stats: CurvatureStats | Mapping[str, Any]) -> CapturedLayers:
+  """The capture's layout of the layers, for ``layers=`` of every preconditioner and alias.
+
+  The preconditioners lay out their state at ``tx.init``, which sees only parameter shapes;
+  some kernels' shapes do not say how the model applies them (an attention projection
+  ``nn.DenseGeneral(use_bias=False)`` kernel ``(d, H, h)`` could be a stack of ``d`` dense
+  layers), and some claimed layers are never captured (a recurrent cell). The statistics of one
+  abstract capture say both::
+
+    _, stats = jax.eval_shape(capture, params, x, y)  # no FLOPs
+    tx = thor_optax.thor(0.1, 0.03, layers=thor_optax.captured_layers(stats))
+
+  Args:
+    stats: a :class:`CurvatureStats` (concrete or from ``jax.eval_shape``) or its ``layers``.
+
+  Returns:
+    a hashable :class:`CapturedLayers`: the optimizer then keeps curvature for exactly these
+    layers, each laid out as the capture took it; other parameters pass through unchanged.
+
+  Raises:
+    TypeError: as :func:`flatten_layer_stats`, if ``stats`` is not a tree of layer statistics.
+  """
+  found = []
+  for name, layer in sorted(flatten_layer_stats(stats).items()):
+    kind = layers_lib.kind_of_stats(layer)
+    found.append((name, kind.name, tuple(kind.hint(layer))))
+  return CapturedLayers(tuple(found))
 
 
 def path_keys(path: tuple[Any, ...]) -> tuple[str, ...]:

@@ -125,6 +125,8 @@ class Curvature:
     block_sharding: ``NamedSharding`` of the inversion work, or ``None``.
     axis_name: the mapped axis (or tuple of axes) across which check steps average the
       curvature statistics (``replicas.py``), or ``None``.
+    layers: the capture's layout (:class:`thor_optax.CapturedLayers`), or ``None`` to claim
+      layers from parameter shapes alone.
 
   Raises:
     ValueError: if a piece needs what no other piece provides (naming both), or on an invalid
@@ -144,6 +146,7 @@ class Curvature:
   dtype: Optional[jnp.dtype]
   block_sharding: Optional[jax.sharding.NamedSharding]
   axis_name: Optional[replicas.AxisName] = None
+  layers: Optional[stats_lib.CapturedLayers] = None
 
   def __post_init__(self):
     replicas.validate(self.axis_name)
@@ -158,6 +161,10 @@ class Curvature:
       raise ValueError(f"damping must be positive, got {self.damping_schedule}")
     if self.num_buckets < 1:
       raise ValueError(f"refresh_buckets must be >= 1, got {self.num_buckets}")
+    if self.layers is not None and not isinstance(self.layers, stats_lib.CapturedLayers):
+      raise ValueError(
+          f"layers must be None or thor_optax.captured_layers(stats), got "
+          f"{type(self.layers).__name__}; build it from the statistics of one capture.")
     blocks.build_layout({}, self.block_size)  # validates block_size
     pieces = (self.method, self.policy, self.accumulator, self.damping)
     for piece in pieces:
@@ -175,7 +182,8 @@ class Curvature:
   def layout(self, tree: Any) -> blocks.BlockLayout:
     """The static layout of a parameter or gradient tree."""
     return blocks.build_layout(tree, self.block_size,
-                               lambda block: self.method.for_block(block).rank)
+                               lambda block: self.method.for_block(block).rank,
+                               None if self.layers is None else self.layers.kinds)
 
   def group_method(self, group: str) -> inverses.InverseMethod:
     """The inverse method of a block stack (``'b128'``, ``'b785r64'``)."""
@@ -323,6 +331,7 @@ def scale_by_thor(
     woodbury_rows: Optional[int] = None,
     block_sharding: Optional[jax.sharding.NamedSharding] = None,
     axis_name: Optional[replicas.AxisName] = None,
+    layers: Optional[stats_lib.CapturedLayers] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """THOR's natural-gradient preconditioner (trace rule, uniform blocks, split damping).
 
@@ -398,6 +407,14 @@ def scale_by_thor(
       nothing. ``axis_name=()`` keeps each replica's own curvature (no averaging, no check).
       Not needed under ``jax.jit`` with sharded arrays (see ``block_sharding``, which cannot
       be combined with it): the compiler reduces the statistics itself.
+    layers: ``None`` (default) lays out every module a registered layer kind claims from its
+      parameter shapes alone (at ``init``, which sees nothing else); or
+      :func:`thor_optax.captured_layers` of the statistics of one capture, which lays out
+      exactly the layers the capture takes, as it takes them: needed where shapes are
+      ambiguous (a kernel without bias of ``nn.DenseGeneral`` / ``nnx.LinearGeneral``, such
+      as attention projections with ``use_bias=False``, of ``nn.Einsum``, or of a 1-D or 3-D
+      convolution, which a shape-only layout takes for a stack of dense layers; the first
+      check step then raises, saying so), and it keeps the state to the captured layers.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs`` with state :class:`KroneckerState`.
@@ -435,7 +452,7 @@ def scale_by_thor(
       damping=damping_lib.FactoredDamping(pi_damping),
       sampling=conv.ConvSampling(conv_statistics, spatial_samples),
       subsample_key=subsample_key, num_buckets=refresh_buckets, dtype=dtype,
-      block_sharding=block_sharding, axis_name=axis_name))
+      block_sharding=block_sharding, axis_name=axis_name, layers=layers))
 
 
 def scale_by_kfac(
@@ -455,6 +472,7 @@ def scale_by_kfac(
     woodbury_rows: Optional[int] = None,
     block_sharding: Optional[jax.sharding.NamedSharding] = None,
     axis_name: Optional[replicas.AxisName] = None,
+    layers: Optional[stats_lib.CapturedLayers] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioner: every block refreshed at every check step, whole factors.
 
@@ -482,8 +500,9 @@ def scale_by_kfac(
       to refresh every block at every check step.
     max_refresh_interval: cap on a block's adaptive interval, in steps.
     dtype: dtype of factors and inverses (default float32, float64 for float64 parameters).
-    woodbury_rows, block_sharding, axis_name: see :func:`scale_by_thor` (``axis_name``: the
-      mapped axis of ``jax.pmap`` across which check steps average the curvature statistics).
+    woodbury_rows, block_sharding, axis_name, layers: see :func:`scale_by_thor`
+      (``axis_name``: the mapped axis of ``jax.pmap`` across which check steps average the
+      curvature statistics; ``layers``: the capture's layout, ``captured_layers(stats)``).
 
   Returns:
     an ``optax.GradientTransformationExtraArgs`` with state :class:`KroneckerState`.
@@ -508,4 +527,4 @@ def scale_by_kfac(
       damping=damping_lib.FactoredDamping(pi_damping),
       sampling=conv.ConvSampling(conv_statistics, spatial_samples),
       subsample_key=subsample_key, num_buckets=1 if adaptive_refresh is None else 4,
-      dtype=dtype, block_sharding=block_sharding, axis_name=axis_name))
+      dtype=dtype, block_sharding=block_sharding, axis_name=axis_name, layers=layers))

@@ -1,7 +1,8 @@
 """The registry of layer kinds: capture, the transforms, micro-batches and weight rescaling
 loop over it.
 
-Each kind is one module of this package (``dense.py``, ``conv.py``, ``embed.py``, ``norm.py``)
+Each kind is one module of this package (``dense.py``, ``conv.py``, ``dense_general.py``,
+``embed.py``, ``norm.py``)
 holding a :class:`~thor_optax._src.layers.base.LayerKind`. Kinds are tried in registry order;
 a kind registered by a user with :func:`register_layer_kind` is tried before the built-in ones,
 so it can take over modules (a subclass of ``nn.Conv`` whose kernel is transformed in
@@ -15,13 +16,15 @@ from typing import Any, Iterable, Mapping, Optional
 from thor_optax._src.layers import base
 from thor_optax._src.layers import conv
 from thor_optax._src.layers import dense
+from thor_optax._src.layers import dense_general
 from thor_optax._src.layers import embed
 from thor_optax._src.layers import norm
 
 LayerKind = base.LayerKind
 LayerSpec = base.LayerSpec
 
-_BUILTIN: tuple[base.LayerKind, ...] = (dense.Dense(), conv.Conv(), embed.Embed(), norm.Norm())
+_BUILTIN: tuple[base.LayerKind, ...] = (dense.Dense(), conv.Conv(), dense_general.DenseGeneral(),
+                                         embed.Embed(), norm.Norm())
 _user: list[base.LayerKind] = []
 
 
@@ -72,6 +75,21 @@ def unregister_layer_kind(kind: base.LayerKind) -> None:
 def kind_of_module(module: Any) -> Optional[base.LayerKind]:
   """The first registered kind matching a linen or NNX module instance, or ``None``."""
   return next((k for k in registered() if k.matches(module)), None)
+
+
+def kind_named(name: str) -> base.LayerKind:
+  """The registered kind called ``name``.
+
+  Raises:
+    ValueError: if no registered kind has that name (a user kind not registered in this
+      process).
+  """
+  for kind in registered():
+    if kind.name == name:
+      return kind
+  raise ValueError(f"no layer kind named {name!r} is registered (registered: "
+                   f"{[k.name for k in registered()]}); register it with "
+                   "thor_optax.register_layer_kind before building the optimizer.")
 
 
 def kind_of_stats(stats: Any) -> Optional[base.LayerKind]:

@@ -50,10 +50,15 @@ class Claim(NamedTuple):
     a_dim: dimension of the input factor ``A`` kept in the block stacks, or ``None`` when the
       kind keeps no blocked ``A`` (embeddings: diagonal; normalization layers: none).
     g_dim: dimension of the output factor ``G`` in the block stacks, or ``None``.
+    in_axes: how many leading axes of the weight are its input (``A``) side, the rest being its
+      output (``G``) side; ``None``: all but the last (``nn.Dense``, HWIO convolutions). A
+      ``DenseGeneral`` query kernel ``(d, H, h)`` has ``in_axes=1``, its output projection
+      ``(H, h, d)`` ``in_axes=2``.
   """
 
   a_dim: Optional[int]
   g_dim: Optional[int]
+  in_axes: Optional[int] = None
 
 
 class FactorRows(NamedTuple):
@@ -82,6 +87,8 @@ class LayerSpec:
       parameters carry these leading axes (``nn.scan`` over layers): ``shapes`` are then one
       layer's, and every layer of the stack has its own factors, statistics and side
       curvature, with the stack flattened to ``copies`` on a leading axis.
+    in_axes: :attr:`Claim.in_axes`, the leading weight axes on the ``A`` side (``None``: all
+      but the last).
   """
 
   path: tuple[str, ...]
@@ -90,6 +97,7 @@ class LayerSpec:
   a: Any = None
   g: Any = None
   stack: tuple[int, ...] = ()
+  in_axes: Optional[int] = None
 
   @property
   def copies(self) -> int:
@@ -136,9 +144,15 @@ class LayerSpec:
     return self.shape(self.kind.weight) or self.shape("bias")
 
   @property
+  def split(self) -> int:
+    """The number of leading weight axes on the input side (:attr:`in_axes`, default all but
+    the last)."""
+    return len(self.kernel_shape) - 1 if self.in_axes is None else self.in_axes
+
+  @property
   def has_bias(self) -> bool:
-    """Whether a ``bias`` leaf of length ``d_out`` sits beside the weight."""
-    return self.shape("bias") == (self.kernel_shape[-1],)
+    """Whether a ``bias`` leaf shaped like the weight's output axes sits beside it."""
+    return self.shape("bias") == tuple(self.kernel_shape[self.split:])
 
   @property
   def slots(self) -> tuple[Any, ...]:
@@ -148,11 +162,12 @@ class LayerSpec:
   @property
   def d_in(self) -> int:
     """Input dimension of the weight as a matrix (conv: ``C_in k_h k_w``), bias excluded."""
-    return int(np.prod(self.kernel_shape[:-1]))
+    return int(np.prod(self.kernel_shape[:self.split]))
 
   @property
   def d_out(self) -> int:
-    return int(self.kernel_shape[-1])
+    """Output dimension of the weight as a matrix (the product of its output axes)."""
+    return int(np.prod(self.kernel_shape[self.split:]))
 
 
 class Plan(NamedTuple):
@@ -183,6 +198,8 @@ class LayerKind(abc.ABC):
     normalized_input: whether capture records ``x_hat`` (the input normalized, before scale and
       bias) instead of the raw input (normalization layers).
     he_rescaled: whether ``rescale_weight_norms`` caps the weight's norm (SP-NGD).
+    shares_weights: whether the kind joins several uses of one layer's weights in a forward
+      pass into one statistics (:meth:`make_shared_stats`; weight sharing).
   """
 
   name: str = ""
@@ -194,6 +211,7 @@ class LayerKind(abc.ABC):
   weight: str = "kernel"
   normalized_input: bool = False
   he_rescaled: bool = False
+  shares_weights: bool = False
 
   def __repr__(self) -> str:
     return f"<layer kind {self.name!r}>"
@@ -227,16 +245,35 @@ class LayerKind(abc.ABC):
     :attr:`normalized_input` kinds) and per-example output cotangents ``(S, N, ...)``."""
     return self.stats_type(inputs=inputs, cotangents=cotangents, **meta)
 
-  def per_loss_term(self, stats: Any, num_terms: int) -> Any:
+  def make_shared_stats(self, methods: tuple[str, ...], inputs: tuple[jax.Array, ...],
+                        cotangents: tuple[jax.Array, ...], **meta: Any) -> Any:
+    """The statistics of a layer whose weights are used several times in one forward pass
+    (:attr:`shares_weights` kinds): ``methods``, ``inputs`` and ``cotangents`` of every use, in
+    call order, each as :meth:`make_stats` takes them. Eschenhagen et al. 2023: the uses are
+    positions sharing the weight, folded like any other positions (:meth:`per_loss_term`).
+
+    Raises:
+      NotImplementedError: for a kind that does not share weights.
+    """
+    del methods, inputs, cotangents, meta
+    raise NotImplementedError(f"layer kind {self.name!r} does not join shared uses")
+
+  def per_loss_term(self, stats: Any, num_terms: int, weight_sharing: str) -> Any:
     """The statistics of one call for a mean loss of ``num_terms`` terms.
 
-    A kind whose factors average rows over examples x positions (``A = (1/N) sum_{n,t}``)
-    overrides this to regroup its example axis so that it counts the loss terms: with ``M``
-    terms the expand factor is ``A = (1/M) sum_{n,t} a a^T`` (Eschenhagen et al. 2023, K-FAC-
-    expand), so a per-position loss (``M = N T``) gives the same curvature as the batch
-    flattened to ``(N T, d)``, and a per-example loss (``M = N``) KFC's. Default: unchanged.
+    A kind whose weights are shared over positions (a dense layer over a sequence) overrides
+    this to fold the positions as ``weight_sharing`` says (``'expand'`` or ``'reduce'``, or
+    ``'auto'``: :func:`resolve_weight_sharing`), Eschenhagen et al. 2023:
+
+    * expand: the example axis regrouped to the ``M`` loss terms (:func:`regroup_examples`), so
+      that ``A = (1/M) sum_{n,t} a a^T``: a per-position loss (``M = N T``) gets the curvature
+      of the batch flattened to ``(N T, d)``, a per-example loss (``M = N``) KFC's;
+    * reduce: per example, inputs averaged and cotangents summed over the positions
+      (:func:`reduce_positions`).
+
+    Default: unchanged.
     """
-    del num_terms
+    del num_terms, weight_sharing
     return stats
 
   # ---- parameters ----------------------------------------------------------------------------
@@ -249,6 +286,20 @@ class LayerKind(abc.ABC):
     ``'Projection_0'``)."""
     del path, shapes
 
+  def claim_captured(self, path: tuple[str, ...], shapes: Mapping[str, tuple[int, ...]],
+                     hint: tuple) -> Optional[Claim]:
+    """The factors of a module the capture took as this kind, given :meth:`hint` of its
+    statistics (``thor_optax.captured_layers``): exact where shapes alone are ambiguous (a
+    ``DenseGeneral`` kernel without bias). Default: :meth:`claim`."""
+    del hint
+    return self.claim(path, shapes)
+
+  def hint(self, stats: Any) -> tuple:
+    """Static facts of one layer's statistics that fix its claim (a hashable tuple; default
+    ``()``), for :meth:`claim_captured`."""
+    del stats
+    return ()
+
   # ---- Kronecker factors ---------------------------------------------------------------------
 
   def check_stats(self, spec: LayerSpec, stats: Any) -> None:
@@ -257,7 +308,12 @@ class LayerKind(abc.ABC):
       raise ValueError(
           f"curvature_stats for layer {spec.name!r} ({spec.kind.weight} shape "
           f"{spec.kernel_shape}): got {type(stats).__name__}, expected "
-          f"{self.stats_type.__name__}.")
+          f"{self.stats_type.__name__}: the optimizer laid the layer out as a {self.name!r} "
+          f"layer{f' stack {spec.stack}' if spec.stack else ''} from its parameter shapes "
+          "alone, which do not say how the model applies it (a kernel without bias of "
+          "nn.DenseGeneral, nn.Einsum or a 1-D/3-D convolution). Give the optimizer the "
+          "capture's layout: layers=thor_optax.captured_layers(stats), with stats from "
+          "jax.eval_shape of the capture (README, 'Transformers').")
 
   def input_rows(self, spec: LayerSpec, stats: Any, dtype: jnp.dtype, *, sampling: Any = None,
                  key: Optional[jax.Array] = None) -> FactorRows:
@@ -282,9 +338,9 @@ class LayerKind(abc.ABC):
   def to_matrix(self, spec: LayerSpec, leaves: Mapping[str, jax.Array],
                 dtype: jnp.dtype) -> jax.Array:
     """The gradient leaves as the ``(d_A, d_G)`` matrix the factors act on (bias row last)."""
-    x = self.kernel_matrix(leaves[self.weight]).astype(dtype)
+    x = self.kernel_matrix(leaves[self.weight]).reshape(spec.d_in, spec.d_out).astype(dtype)
     if spec.has_bias:
-      x = jnp.concatenate([x, leaves["bias"][None, :].astype(x.dtype)], axis=0)
+      x = jnp.concatenate([x, leaves["bias"].reshape(1, -1).astype(x.dtype)], axis=0)
     return x
 
   def from_matrix(self, spec: LayerSpec, matrix: jax.Array,
@@ -293,7 +349,7 @@ class LayerKind(abc.ABC):
     out = {self.weight: self.kernel_from_matrix(matrix[:spec.d_in], spec.kernel_shape)
            .astype(leaves[self.weight].dtype)}
     if spec.has_bias:
-      out["bias"] = matrix[spec.d_in].astype(leaves["bias"].dtype)
+      out["bias"] = matrix[spec.d_in].reshape(spec.shape("bias")).astype(leaves["bias"].dtype)
     return out
 
   def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
@@ -364,6 +420,55 @@ class LayerFactors(NamedTuple):
   d_a: jax.Array
   d_g: jax.Array
   finite: jax.Array
+
+
+def bias_fits(shapes: Mapping[str, tuple[int, ...]], out_shape: tuple[int, ...]) -> bool:
+  """Whether a module's ``bias`` leaf, if it has one, is shaped like the weight's output axes
+  (a kind claims no module with a bias it would not precondition, such as a stacked layer's
+  ``(L, d_out)``)."""
+  return "bias" not in shapes or tuple(shapes["bias"]) == tuple(out_shape)
+
+
+WEIGHT_SHARING = ("auto", "expand", "reduce")
+
+
+def resolve_weight_sharing(weight_sharing: str, num_terms: int, num_examples: int) -> str:
+  """``'expand'`` or ``'reduce'``: ``weight_sharing`` itself, or for ``'auto'`` expand when the
+  loss has more terms than the layer has examples (a term per position: language modelling,
+  where expand is exact) and reduce otherwise (positions pooled before a per-example loss: a
+  classifying transformer, where reduce is exact and ``T`` times cheaper)."""
+  if weight_sharing != "auto":
+    return weight_sharing
+  return "expand" if num_terms > num_examples else "reduce"
+
+
+def fold_positions(inputs: jax.Array, cotangents: jax.Array, num_terms: int, feature_axes: int,
+                   weight_sharing: str) -> tuple[jax.Array, jax.Array]:
+  """:func:`regroup_examples` or :func:`reduce_positions`, as ``weight_sharing`` resolves for
+  ``inputs`` ``(N, ...)`` (:func:`resolve_weight_sharing`)."""
+  mode = resolve_weight_sharing(weight_sharing, num_terms, inputs.shape[0])
+  fold = regroup_examples if mode == "expand" else reduce_positions
+  return fold(inputs, cotangents, num_terms, feature_axes)
+
+
+def reduce_positions(inputs: jax.Array, cotangents: jax.Array, num_terms: int,
+                     feature_axes: int) -> tuple[jax.Array, jax.Array]:
+  """K-FAC-reduce: ``(inputs, cotangents)`` with the positions folded into each example.
+
+  ``inputs`` ``(N, P..., F...)`` become their mean over the positions ``(N, F...)``, cotangents
+  ``(S, N, P..., d)`` their sum ``(S, N, d)`` scaled by ``sqrt(N / M)``, so that the factors
+  ``A = (1/N) sum_n a_bar a_bar^T`` and ``G = (1/N) sum_{s,n} g_hat g_hat^T`` equal the
+  Gauss-Newton blocks of a deep linear network whose positions are pooled before the loss
+  (``M = N``, Eschenhagen et al. 2023, section 3.2), and for a loss per position (``M = N T``)
+  ``G`` divides by ``N T`` as expand's does. No positions: unchanged.
+  """
+  n = inputs.shape[0]
+  positions = tuple(range(1, inputs.ndim - feature_axes))
+  if not positions:
+    return inputs, cotangents
+  g_positions = tuple(range(2, cotangents.ndim - 1))
+  scale = jnp.sqrt(jnp.asarray(n / num_terms, cotangents.dtype))
+  return inputs.mean(positions), cotangents.sum(g_positions) * scale
 
 
 def regroup_examples(inputs: jax.Array, cotangents: jax.Array, num_terms: int,

@@ -264,7 +264,7 @@ class Conv(base.LayerKind):
             shapes: Mapping[str, tuple[int, ...]]) -> Optional[base.Claim]:
     del path
     kernel = shapes.get("kernel")
-    if kernel is None or len(kernel) != 4:
+    if kernel is None or len(kernel) != 4 or not base.bias_fits(shapes, kernel[-1:]):
       return None
     has_bias = shapes.get("bias") == (kernel[-1],)
     return base.Claim(a_dim=int(np.prod(kernel[:-1])) + int(has_bias), g_dim=kernel[-1])

@@ -50,6 +50,14 @@ class DenseStats:
   cotangents: jax.Array
 
 
+def join_positions(arrays: list[jax.Array], example_axis: int) -> jax.Array:
+  """Arrays ``(..., N, P_i..., d)`` (``N`` on ``example_axis``) joined along one positions axis,
+  ``(..., N, sum_i prod(P_i), d)``."""
+  return jnp.concatenate(
+      [x.reshape(x.shape[:example_axis + 1] + (-1, x.shape[-1])) for x in arrays],
+      axis=example_axis + 1)
+
+
 def with_ones(rows: jax.Array) -> jax.Array:
   """``(R, d)`` rows with a ones column appended (the bias input)."""
   return jnp.concatenate([rows, jnp.ones_like(rows[:, :1])], axis=1)
@@ -91,12 +99,22 @@ class Dense(base.LayerKind):
   linen_modules = (nn.Dense,)
   nnx_modules = (nnx.Linear,)
   he_rescaled = True
+  shares_weights = True
+
+  def make_shared_stats(self, methods, inputs, cotangents, **meta):
+    """Every call's positions side by side: inputs ``(N, P_1 + P_2 + ..., d_in)``,
+    cotangents ``(S, N, P_1 + P_2 + ..., d_out)``."""
+    del methods
+    parts = [self.make_stats(x, g, **meta) for x, g in zip(inputs, cotangents)]
+    return dataclasses.replace(
+        parts[0], inputs=join_positions([p.inputs for p in parts], 0),
+        cotangents=join_positions([p.cotangents for p in parts], 1))
 
   def claim(self, path: tuple[str, ...],
             shapes: Mapping[str, tuple[int, ...]]) -> Optional[base.Claim]:
     del path
     kernel = shapes.get("kernel")
-    if kernel is None or len(kernel) != 2:
+    if kernel is None or len(kernel) != 2 or not base.bias_fits(shapes, kernel[-1:]):
       return None
     has_bias = shapes.get("bias") == (kernel[-1],)
     return base.Claim(a_dim=kernel[0] + int(has_bias), g_dim=kernel[1])
@@ -106,9 +124,10 @@ class Dense(base.LayerKind):
     check_cotangents(spec, stats)
     check_inputs(spec, stats, spec.kernel_shape[0])
 
-  def per_loss_term(self, stats, num_terms):
-    inputs, cotangents = base.regroup_examples(stats.inputs, stats.cotangents, num_terms, 1)
-    return DenseStats(inputs=inputs, cotangents=cotangents)
+  def per_loss_term(self, stats, num_terms, weight_sharing):
+    inputs, cotangents = base.fold_positions(stats.inputs, stats.cotangents, num_terms, 1,
+                                             weight_sharing)
+    return dataclasses.replace(stats, inputs=inputs, cotangents=cotangents)
 
   def input_rows(self, spec, stats, dtype, *, sampling=None, key=None) -> base.FactorRows:
     """``(N T, d_in (+1))`` rows with scale ``1 / N`` (``N``: the leading axis, the loss terms

@@ -6,8 +6,13 @@ the embedding's ``A`` is the token-frequency vector). ``A`` is kept as side curv
 ``(vocab,)`` vector refreshed at every check step (:class:`DiagonalState`); only ``G`` lives in
 the block stacks. The weight ``(vocab, features)`` is already the ``(d_A, d_G)`` matrix.
 
-A module whose ``attend`` runs (tied input/output embeddings) is a shared layer and is listed
-as unhandled.
+Tied input and output embeddings (``attend``, ``logits = h @ embedding^T``) share the weight
+(Eschenhagen et al. 2023, K-FAC-expand over the uses): seen from the ``(vocab, features)``
+weight, an ``attend`` use has the logit cotangents ``g_l`` on the vocabulary side and its input
+``h`` on the feature side, so its rows join the lookup's: ``A = (1/M) (sum e_id e_id^T +
+sum_s g_l g_l^T)``, kept diagonal (its ``(vocab,)`` diagonal: token counts plus squared logit
+cotangents), and ``G = (1/(N P)) (sum_s g g^T + sum h h^T)`` over the ``P`` positions of all
+uses.
 
 References:
   Chen et al., "THOR", AAAI 2021 (diagonal ``A`` of embeddings).
@@ -16,6 +21,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping, NamedTuple, Optional
 
 import flax.linen as nn
@@ -37,10 +43,15 @@ class EmbedStats:
     inputs: integer token ids, shape ``(N, ...)``; axis 0 indexes examples, further axes are
       positions.
     cotangents: per-example output cotangents, shape ``(S, N, ..., features)``.
+    attend_inputs: for a tied embedding, the inputs ``h`` of its ``attend`` uses,
+      ``(N, P, features)``; ``None`` otherwise.
+    attend_cotangents: the logit cotangents of those uses, ``(S, N, P, vocab)``, or ``None``.
   """
 
   inputs: jax.Array
   cotangents: jax.Array
+  attend_inputs: Optional[jax.Array] = None
+  attend_cotangents: Optional[jax.Array] = None
 
 
 class DiagonalState(NamedTuple):
@@ -74,7 +85,11 @@ def embedding_frequencies(spec: base.LayerSpec, stats: EmbedStats,
   sharding are gathered first (a scatter with sharded indices is rejected)."""
   ids = explicit.replicate(stats.inputs).reshape(-1)
   counts = jnp.zeros((spec.kernel_shape[0],), dtype).at[ids].add(1.0, mode="drop")
-  return counts / stats.inputs.shape[0]
+  diagonal = counts / stats.inputs.shape[0]
+  if stats.attend_cotangents is not None:  # a tied embedding's logit cotangents
+    g = stats.attend_cotangents.astype(dtype)
+    diagonal = diagonal + jnp.sum(g * g, axis=tuple(range(g.ndim - 1))) / g.shape[1]
+  return diagonal
 
 
 class Embed(base.LayerKind):
@@ -82,20 +97,41 @@ class Embed(base.LayerKind):
 
   name = "embed"
   stats_type = EmbedStats
-  example_axes = {"inputs": 0, "cotangents": 1}
+  example_axes = {"inputs": 0, "cotangents": 1, "attend_inputs": 0, "attend_cotangents": 1}
   linen_modules = (nn.Embed,)
   nnx_modules = (nnx.Embed,)
   methods = ("__call__", "attend")
   weight = "embedding"
+  shares_weights = True
 
-  def per_loss_term(self, stats, num_terms):
+  def make_shared_stats(self, methods, inputs, cotangents, **meta) -> EmbedStats:
+    """Lookups' ids and cotangents side by side, ``attend`` uses' ``h`` and logit cotangents
+    side by side (``(N, 0)`` ids when the embedding is only attended)."""
+    del meta
+    calls = [(x, g) for m, x, g in zip(methods, inputs, cotangents) if m == "__call__"]
+    attends = [(x, g) for m, x, g in zip(methods, inputs, cotangents) if m == "attend"]
+    h = dense.join_positions([x for x, _ in attends], 0) if attends else None
+    g_l = dense.join_positions([g for _, g in attends], 1) if attends else None
+    if calls:
+      ids = jnp.concatenate([x.reshape(x.shape[0], -1) for x, _ in calls], axis=1)
+      g = dense.join_positions([g for _, g in calls], 1)
+    else:
+      ids = jnp.zeros((h.shape[0], 0), jnp.int32)
+      g = jnp.zeros(g_l.shape[:2] + (0, h.shape[-1]), h.dtype)
+    return EmbedStats(ids, g, h, g_l)
+
+  def per_loss_term(self, stats, num_terms, weight_sharing):
+    """Expand always (a reduced one-hot input is not one token: ``A`` would not be
+    diagonal)."""
+    del weight_sharing
     ids, cotangents = base.regroup_examples(stats.inputs, stats.cotangents, num_terms, 0)
-    return EmbedStats(inputs=ids, cotangents=cotangents)
+    h, g_l = stats.attend_inputs, stats.attend_cotangents
+    if h is not None:
+      h, g_l = base.regroup_examples(h, g_l, num_terms, 1)
+    return EmbedStats(ids, cotangents, h, g_l)
 
   def plan(self, module, methods, input_shape) -> base.Plan:
-    del module
-    if "attend" in methods:
-      return base.Plan(None, "attend() used in the forward pass (tied embedding: shared layer)")
+    del module, methods
     if not input_shape:
       return base.Plan(None, "embedding of a scalar id (no batch axis)")
     return base.Plan({})
@@ -119,6 +155,28 @@ class Embed(base.LayerKind):
       raise ValueError(
           f"{dense.where(spec)}: cotangents must have shape (S, *ids.shape, {spec.d_out}) = "
           f"(S, {', '.join(map(str, a.shape))}, {spec.d_out}), got {g.shape}.")
+    h, g_l = stats.attend_inputs, stats.attend_cotangents
+    if (h is None) != (g_l is None):
+      raise ValueError(f"{dense.where(spec)}: attend_inputs and attend_cotangents must both be "
+                       "given (a tied embedding) or both be None.")
+    if h is not None and (h.shape[-1] != spec.d_out or g_l.shape[-1] != spec.kernel_shape[0]
+                          or tuple(g_l.shape[1:-1]) != tuple(h.shape[:-1])):
+      raise ValueError(
+          f"{dense.where(spec)}: attend_inputs must be (N, ..., {spec.d_out}) and "
+          f"attend_cotangents (S, N, ..., {spec.kernel_shape[0]}) over the same positions, got "
+          f"{h.shape} and {g_l.shape}.")
+
+  def cotangent_rows(self, spec, stats, dtype, *, sampling=None, key=None) -> base.FactorRows:
+    """``G``'s rows: the lookups' cotangents, then a tied embedding's ``attend`` inputs, with
+    scale ``1 / (N P)`` over the positions of all uses."""
+    del sampling, key
+    rows = explicit.flatten_rows(stats.cotangents).astype(dtype)
+    positions = math.prod(stats.cotangents.shape[1:-1])
+    if stats.attend_inputs is not None:
+      h = stats.attend_inputs
+      rows = jnp.concatenate([rows, h.reshape(-1, h.shape[-1]).astype(dtype)], axis=0)
+      positions += math.prod(h.shape[:-1])
+    return base.FactorRows(rows, jnp.asarray(1.0 / positions, dtype))
 
   def input_rows(self, spec, stats, dtype, *, sampling=None, key=None) -> jax.Array:
     """The diagonal ``A``, ``(vocab,)`` (see :func:`embedding_frequencies`)."""

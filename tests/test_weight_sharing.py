@@ -1,0 +1,181 @@
+"""Weight sharing: one layer's weights used several times in a forward pass (a layer called
+twice, a tied embedding's lookup and ``attend``) get one curvature from all uses.
+
+K-FAC-expand (Eschenhagen et al., NeurIPS 2023): the uses are positions sharing the weight, so
+their rows join the layer's factors; K-FAC-reduce: per example, inputs averaged and cotangents
+summed over them. References: the uses' inputs and output cotangents computed by hand (explicit
+perturbations of a hand-written forward pass), explicit Kronecker products, and the exact
+Gauss-Newton matrix of a deep linear network. Float64.
+"""
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import thor_optax
+import thor_optax.flax
+import thor_optax.nnx
+
+import reference
+from reference import float64_mode, randn, softmax_ce, squared_error  # pylint: disable=unused-import
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+N, T, V, D, K = 3, 4, 7, 5, 3
+DAMPING = 0.01
+S = np.sqrt(DAMPING)  # the damping added to each factor
+
+
+class Twice(nn.Module):
+  """One dense layer applied to ``x`` and ``2 x``, the two branches summed."""
+
+  @nn.compact
+  def __call__(self, x):
+    shared = nn.Dense(4, name="shared")
+    return nn.Dense(K, name="head")(jnp.tanh(shared(x)) + jnp.tanh(shared(2.0 * x)))
+
+
+def _update(model, params, x, y, loss_fn, **capture_kwargs):
+  (_, grads), stats = reference.capture(model, loss_fn, **capture_kwargs)(params, x, y)
+  tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None)
+  updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+  return updates, grads, stats
+
+
+def test_a_layer_called_twice_expands_over_its_calls():
+  x = jnp.asarray(randn(0, (N, 6)))
+  y = jnp.arange(N) % K
+  params = reference.init_params(Twice(), x)
+  updates, grads, stats = _update(Twice(), params, x, y, softmax_ce, weight_sharing="expand")
+  assert not stats.unhandled
+
+  def forward(e1, e2):  # the model by hand, with a perturbation of each call's output
+    w, b = params["shared"]["kernel"], params["shared"]["bias"]
+    h = jnp.tanh(x @ w + b + e1) + jnp.tanh(2.0 * x @ w + b + e2)
+    return h @ params["head"]["kernel"] + params["head"]["bias"]
+
+  zeros = jnp.zeros((N, 4))
+  g1, g2 = jax.grad(lambda e1, e2: N * softmax_ce(forward(e1, e2), y), (0, 1))(zeros, zeros)
+  a = np.concatenate([np.asarray(x), 2.0 * np.asarray(x)])
+  a = np.concatenate([a, np.ones((2 * N, 1))], axis=1)
+  g = np.concatenate([np.asarray(g1), np.asarray(g2)])
+  A, G = a.T @ a / N, g.T @ g / (2 * N)  # expand: A over N examples, G over their 2N rows
+  grad = reference.stacked({k: np.asarray(v) for k, v in grads["shared"].items()})
+  want = reference.kron_update(A, G, grad, S, S)
+  np.testing.assert_allclose(reference.stacked(updates["shared"]), want, rtol=0, atol=1e-12)
+
+
+def test_reduce_is_exact_for_shared_weights_summed_before_the_loss():
+  """``(x1 + x2) W`` written as one bias-less layer applied to ``x1`` and ``x2`` and summed:
+  K-FAC-reduce (``'auto'`` here, a loss per example) gives the exact Gauss-Newton block
+  ``(1/N) sum (x1 + x2)(x1 + x2)^T (x) I`` as ``A = (1/N) sum a_bar a_bar^T`` with the mean
+  input ``a_bar = (x1 + x2) / 2`` and ``G = 4 I`` (the summed cotangents ``2 e``)."""
+
+  class Summed(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      layer = nn.Dense(K, use_bias=False, name="w")
+      return layer(x[:, 0]) + layer(x[:, 1])
+
+  x = jnp.asarray(randn(1, (N, 2, 6)))
+  y = jnp.asarray(randn(2, (N, K)))
+  params = reference.init_params(Summed(), x)
+  updates, grads, stats = _update(Summed(), params, x, y, squared_error, fisher_type="exact",
+                                  likelihood="squared_error")
+  assert stats.layers["w"].inputs.shape == (N, 6)
+  xs = np.asarray(x).sum(1)
+  hessian = jax.hessian(lambda w: squared_error(Summed().apply({"params": {"w": {
+      "kernel": w}}}, x), y))(params["w"]["kernel"]).reshape(6 * K, 6 * K)
+  np.testing.assert_allclose(np.kron(xs.T @ xs / N, np.eye(K)), hessian, rtol=0, atol=1e-13)
+  A, G = (xs / 2).T @ (xs / 2) / N, 4.0 * np.eye(K)
+  want = reference.kron_update(A, G, np.asarray(grads["w"]["kernel"]), S, S)
+  np.testing.assert_allclose(updates["w"]["kernel"], want, rtol=0, atol=1e-12)
+
+
+class TiedLM(nn.Module):
+  """Embedding lookup, a dense mixing layer, logits by the embedding's ``attend``."""
+
+  @nn.compact
+  def __call__(self, ids):
+    emb = nn.Embed(V, D, name="emb")
+    return emb.attend(jnp.tanh(nn.Dense(D, name="mix")(emb(ids))))
+
+
+def _tied_reference(params, ids, y):
+  """The tied embedding's update by hand: ``A`` diagonal (token counts plus squared logit
+  cotangents, over the ``M = N T`` loss terms), ``G`` over the lookups' cotangents and the
+  ``attend`` inputs (``2 N T`` rows)."""
+  emb, mix = params["emb"]["embedding"], params["mix"]
+
+  def forward(e_lookup, e_logits):
+    h = jnp.tanh((emb[ids] + e_lookup) @ mix["kernel"] + mix["bias"])
+    return h @ emb.T + e_logits, h
+
+  def loss(e1, e2):
+    return N * T * softmax_ce(forward(e1, e2)[0], y)  # per-term cotangents: M = N T
+
+  g_e, g_l = jax.grad(loss, (0, 1))(jnp.zeros((N, T, D)), jnp.zeros((N, T, V)))
+  h = np.asarray(forward(jnp.zeros((N, T, D)), jnp.zeros((N, T, V)))[1]).reshape(-1, D)
+  counts = np.bincount(np.asarray(ids).reshape(-1), minlength=V)
+  g_l = np.asarray(g_l).reshape(-1, V)
+  a_diag = (counts + (g_l ** 2).sum(0)) / (N * T)
+  rows = np.concatenate([np.asarray(g_e).reshape(-1, D), h])
+  G = rows.T @ rows / (2 * N * T)
+  grad = np.asarray(jax.grad(lambda e: softmax_ce(TiedLM().apply(
+      {"params": {**params, "emb": {"embedding": e}}}, ids), y))(emb))
+  return reference.kron_update(np.diag(a_diag), G, grad, S, S)
+
+
+def test_tied_embedding_joins_lookup_and_attend():
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, V, (N, T)))
+  y = jnp.asarray(np.random.default_rng(1).integers(0, V, (N, T)))
+  params = reference.init_params(TiedLM(), ids)
+  updates, _, stats = _update(TiedLM(), params, ids, y, softmax_ce)
+  assert not stats.unhandled
+  assert stats.layers["emb"].attend_inputs.shape == (N * T, 1, D)
+  np.testing.assert_allclose(updates["emb"]["embedding"], _tied_reference(params, ids, y),
+                             rtol=0, atol=1e-12)
+
+
+def test_nnx_tied_embedding_matches_linen():
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, V, (N, T)))
+  y = jnp.asarray(np.random.default_rng(1).integers(0, V, (N, T)))
+  params = reference.init_params(TiedLM(), ids)
+
+  class Model(nnx.Module):
+
+    def __init__(self):
+      self.emb = nnx.Embed(V, D, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+      self.mix = nnx.Linear(D, D, param_dtype=jnp.float64, rngs=nnx.Rngs(1))
+
+    def __call__(self, ids):
+      return self.emb.attend(jnp.tanh(self.mix(self.emb(ids))))
+
+  model = Model()
+  nnx.update(model, nnx.State(params))
+  (_, grads), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(model, ids, y)
+  assert not stats.unhandled
+  tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None)
+  got, _ = tx.update(grads, tx.init(nnx.state(model, nnx.Param)), curvature_stats=stats)
+  np.testing.assert_allclose(nnx.to_pure_dict(nnx.State(got))["emb"]["embedding"],
+                             _tied_reference(params, ids, y), rtol=0, atol=1e-12)
+
+
+def test_shared_layer_inside_a_lifted_transform_is_listed():
+  """A layer called twice inside ``nn.remat`` (which may trace it more than once) stays
+  listed, with the reason."""
+
+  class RematTwice(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.remat(Twice)(name="body")(x)
+
+  x = jnp.asarray(randn(0, (N, 6)))
+  params = reference.init_params(RematTwice(), x)
+  (_, _), stats = reference.capture(RematTwice(), softmax_ce)(params, x, jnp.arange(N) % K)
+  assert any("body/shared" in note and "lifted transform" in note for note in stats.unhandled)
