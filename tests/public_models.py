@@ -489,9 +489,9 @@ LINEN_MODELS: dict[str, Case] = {c.name: c for c in [
          {}, batch_stats=True, learning_rate=0.1),
     Case("transformer", DecoderLM(), lambda: token_batch(1, 4, 8, 16), softmax_ce,
          frozenset({"embed", "ln_f", "logits", "decoder/LayerNorm_0", "decoder/LayerNorm_1",
-                    "decoder/MlpBlock_0/Dense_0", "decoder/MlpBlock_0/Dense_1"}),
-         {**{f"decoder/MultiHeadDotProductAttention_0/{p}": "not supported" for p in _ATTN},
-          "posembed": "not supported"}),
+                    "decoder/MlpBlock_0/Dense_0", "decoder/MlpBlock_0/Dense_1"}
+                   | {f"decoder/MultiHeadDotProductAttention_0/{p}" for p in _ATTN}),
+         {"posembed": "not supported"}),
     Case("lstm", LSTMClassifier(), lambda: classification_batch(2, (8, 5, 3), 3), softmax_ce,
          frozenset({"head"}), {f"LSTMCell_0/{g}": "weight sharing" for g in _LSTM_GATES}),
     Case("mlp_aux", MLPWithAux(), lambda: classification_batch(3, (16, 6), 4),

@@ -205,3 +205,104 @@ def test_nnx_multi_head_attention_matches_linen():
   got, _ = tx.update(grads, tx.init(nnx.state(model, nnx.Param)), curvature_stats=stats)
   want, _, _ = _update(LinenAttention(), params, x, y, softmax_ce, TRANSFORMS["thor_b4"])
   _assert_close(nnx.to_pure_dict(nnx.State(got)), want, atol=1e-6)
+
+
+class Gemma(nn.Module):
+  """Einsum projections as Gemma writes them: query ``'btd,ndh->btnh'`` (the contracted axis in
+  the kernel's middle), output ``'btnh,nhk->btk'``."""
+  use_bias: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    q = nn.Einsum((H, D, HD), "btd,ndh->btnh", use_bias=self.use_bias, name="q")(x)
+    return nn.Einsum((H, HD, K), "btnh,nhk->btk", use_bias=self.use_bias, name="o")(jnp.tanh(q))
+
+
+def _gemma_as_flat(params):
+  """``Gemma``'s parameters as ``Flat``'s (the query kernel's axes to ``(d, n, h)``)."""
+  out = {"q": {"kernel": jnp.transpose(params["q"]["kernel"], (1, 0, 2)).reshape(D, H * HD)},
+         "o": {"kernel": params["o"]["kernel"].reshape(H * HD, K)}}
+  if "bias" in params["q"]:
+    out["q"]["bias"] = params["q"]["bias"].reshape(H * HD)
+    out["o"]["bias"] = params["o"]["bias"]
+  return out
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_einsum_equals_the_reshaped_dense_model(use_bias):
+  x = jnp.asarray(randn(0, (N, T, D)))
+  y = jnp.asarray(np.random.default_rng(1).integers(0, K, (N, T)))
+  params = reference.init_params(Gemma(use_bias), x)
+  make_tx = TRANSFORMS["thor_b4"]
+  got, _, stats = _update(Gemma(use_bias), params, x, y, softmax_ce, make_tx, captured=True)
+  assert not stats.unhandled
+  assert isinstance(stats.layers["q"], thor_optax.EinsumStats)
+  want, _, _ = _update(Flat(use_bias), _gemma_as_flat(params), x, y, softmax_ce, make_tx)
+  _assert_close(_gemma_as_flat(got), want)
+
+
+def test_einsum_layout_from_shapes_alone():
+  """Without the captured layout: the output einsum (kernel ``(n, h, k)``, bias ``(k,)``) has
+  a ``DenseGeneral``'s layout, so it is accepted; the query's permuted kernel is not, and the
+  error says what to pass."""
+
+  class Out(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Einsum((H, HD, K), "btnh,nhk->btk", name="o")(x)
+
+  x = jnp.asarray(randn(2, (N, T, H, HD)))
+  y = jnp.asarray(np.random.default_rng(1).integers(0, K, (N, T)))
+  params = reference.init_params(Out(), x)
+  got, _, _ = _update(Out(), params, x, y, softmax_ce, TRANSFORMS["kfac"])
+  want, _, _ = _update(Out(), params, x, y, softmax_ce, TRANSFORMS["kfac"], captured=True)
+  _assert_close(got, want)
+  params = reference.init_params(Gemma(), jnp.asarray(randn(0, (N, T, D))))
+  with pytest.raises(ValueError, match=r"layers=thor_optax.captured_layers\(stats\)"):
+    _update(Gemma(), params, jnp.asarray(randn(0, (N, T, D))), y, softmax_ce, TRANSFORMS["kfac"])
+
+
+def test_einsum_that_is_not_a_matrix_product_is_listed():
+  """A kernel per head (``'btnh,nhk->btnk'``: ``n`` in input, kernel and output) is listed."""
+
+  class PerHead(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Einsum((H, HD, K), "btnh,nhk->btnk", name="per_head")(x)
+      return nn.Dense(K, name="head")(h.reshape(h.shape[:2] + (-1,)))
+
+  x = jnp.asarray(randn(2, (N, T, H, HD)))
+  y = jnp.asarray(np.random.default_rng(1).integers(0, K, (N, T)))
+  params = reference.init_params(PerHead(), x)
+  (_, _), stats = reference.capture(PerHead(), softmax_ce)(params, x, y)
+  assert set(stats.layers) == {"head"}
+  assert any(note.startswith("per_head: ") and "kernel per index" in note
+             for note in stats.unhandled)
+
+
+def test_nnx_einsum_matches_linen():
+  x = jnp.asarray(randn(0, (N, T, D)))
+  y = jnp.asarray(np.random.default_rng(1).integers(0, K, (N, T)))
+  params = reference.init_params(Gemma(), x)
+
+  class Model(nnx.Module):
+
+    def __init__(self):
+      self.q = nnx.Einsum("btd,ndh->btnh", (H, D, HD), (H, HD), param_dtype=jnp.float64,
+                          rngs=nnx.Rngs(0))
+      self.o = nnx.Einsum("btnh,nhk->btk", (H, HD, K), (K,), param_dtype=jnp.float64,
+                          rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      return self.o(jnp.tanh(self.q(x)))
+
+  model = Model()
+  nnx.update(model, nnx.State(params))
+  (_, grads), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(model, x, y)
+  assert not stats.unhandled
+  tx = TRANSFORMS["thor_b4"](thor_optax.captured_layers(stats))
+  got, _ = tx.update(grads, tx.init(nnx.state(model, nnx.Param)), curvature_stats=stats)
+  want, _, _ = _update(Gemma(), params, x, y, softmax_ce, TRANSFORMS["thor_b4"], captured=True)
+  _assert_close(nnx.to_pure_dict(nnx.State(got)), want)

@@ -21,9 +21,8 @@ Public API (import from here, ``thor_optax.flax`` or ``thor_optax.nnx``; never f
   projections without bias, einsums); ``captured_mask``: the ``precondition_mask`` of the
   aliases, from the same statistics (no curvature state for layers the capture never takes).
 * ``KroneckerState``, ``LayerDiagnostics``: the transform state and its per-layer record.
-* ``DenseStats``, ``DenseGeneralStats``, ``ConvStats``, ``EmbedStats``, ``NormStats``,
-  ``CurvatureStats``: raw
-  per-layer statistics.
+* ``DenseStats``, ``DenseGeneralStats``, ``EinsumStats``, ``ConvStats``, ``EmbedStats``,
+  ``NormStats``, ``CurvatureStats``: raw per-layer statistics.
 * ``LayerKind``, ``register_layer_kind``, ``unregister_layer_kind``: layer kinds of one's own
   (``thor_optax.layers`` has the pieces a kind is built from and the built-in kinds).
 * ``thor_optax.flax.value_and_grad_with_stats``: capture from an unchanged Flax linen model;
@@ -56,6 +55,7 @@ from thor_optax._src.micro_batches import concatenate_stats
 from thor_optax._src.kl_clip import scale_by_kl_clip
 from thor_optax._src.stats import DenseGeneralStats
 from thor_optax._src.stats import DenseStats
+from thor_optax._src.stats import EinsumStats
 from thor_optax._src.stats import EmbedStats
 from thor_optax._src.stats import NormStats
 from thor_optax._src.transform import KroneckerState
@@ -72,6 +72,7 @@ __all__ = (
     "CurvatureStats",
     "DenseGeneralStats",
     "DenseStats",
+    "EinsumStats",
     "EmbedStats",
     "KLClipState",
     "KroneckerState",

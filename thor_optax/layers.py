@@ -2,9 +2,9 @@
 
 A kind is a :class:`LayerKind` subclass instance registered with :func:`register_layer_kind`
 (tried before the built-in kinds). The built-in kinds are instances of ``Dense``, ``Conv``,
-``DenseGeneral``, ``Embed`` and ``Norm`` (``registered()`` lists them in the order they are
-tried); subclass one of these classes to reuse its factors (see the README's "Layer kinds of
-your own").
+``DenseGeneral``, ``Einsum``, ``Embed`` and ``Norm`` (``registered()`` lists them in the order
+they are tried); subclass one of these classes to reuse its factors (see the README's "Layer
+kinds of your own").
 """
 
 from thor_optax._src.layers import register_layer_kind
@@ -19,6 +19,7 @@ from thor_optax._src.layers.conv import Conv
 from thor_optax._src.layers.conv import ConvSampling
 from thor_optax._src.layers.dense import Dense
 from thor_optax._src.layers.dense_general import DenseGeneral
+from thor_optax._src.layers.einsum import Einsum
 from thor_optax._src.layers.embed import Embed
 from thor_optax._src.layers.norm import Norm
 
@@ -28,6 +29,7 @@ __all__ = (
     "ConvSampling",
     "Dense",
     "DenseGeneral",
+    "Einsum",
     "Embed",
     "FactorRows",
     "LayerKind",

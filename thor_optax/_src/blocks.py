@@ -200,12 +200,10 @@ def build_layout(tree: Any, block_size: Optional[int],
   specs = []
   for path, leaves in module_leaves(tree).items():
     shapes = {name: tuple(int(s) for s in np.shape(leaf)) for name, leaf in leaves.items()}
-    if captured is None:
-      found = claim_stacked(path, shapes)
-    elif stats_lib.layer_name(path) in captured:
-      found = claim_stacked(path, shapes, captured[stats_lib.layer_name(path)])
-    else:
-      found = None
+    hint = (captured or {}).get(stats_lib.layer_name(path))
+    found = None
+    if captured is None or hint is not None:
+      found = claim_stacked(path, shapes, hint)
     if found is None:
       continue
     kind, claim, stack = found
@@ -213,7 +211,8 @@ def build_layout(tree: Any, block_size: Optional[int],
     per_layer = {name: shape[len(stack):] for name, shape in shapes.items()}
     a = slot(claim.a_dim, copies)
     specs.append(layers_lib.LayerSpec(path, kind, tuple(sorted(per_layer.items())), a,
-                                      slot(claim.g_dim, copies), stack, claim.in_axes))
+                                      slot(claim.g_dim, copies), stack, claim.in_axes,
+                                      () if hint is None else tuple(hint[1])))
   groups = {group_key(b, r): (b, n) for (b, r), n in sorted(counts.items())}
   ranks = {group_key(b, r): r for (b, r) in sorted(counts) if r}
   return BlockLayout(tuple(specs), groups, block_size, ranks)

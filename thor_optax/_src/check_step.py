@@ -27,8 +27,10 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,7 @@ import numpy as np
 from thor_optax._src import blocks
 from thor_optax._src import damping as damping_lib
 from thor_optax._src import explicit
+from thor_optax._src import layers as layers_lib
 from thor_optax._src import replicas
 from thor_optax._src import stats as stats_lib
 from thor_optax._src.layers import base as layer_base
@@ -98,6 +101,7 @@ def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam
   diagnostics (``lam``: ``lambda`` at this step; ``masked``: modules ``optax.masked`` hid)."""
   replicas.check_axis(cfg.axis_name)
   dtype = state_dtype(state)
+  layout = as_captured(layout, stats_lib.flatten_layer_stats(curvature_stats))
   flat = statistics_by_layer(curvature_stats, layout, masked)
   kinds = {spec.name: spec.kind for spec in layout.layers}
   flat = {name: explicit.align_examples(s, kinds[name].example_axes) for name, s in flat.items()}
@@ -126,6 +130,53 @@ def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam
   return state._replace(
       blocks=new_blocks, layers={**state.layers, **side}, diagnostics=diagnostics,
       accumulator=cfg.accumulator.update_global(state.accumulator, invert_now, state.count))
+
+
+def as_captured(layout: blocks.BlockLayout, flat: dict[str, Any]) -> blocks.BlockLayout:
+  """The layout with each layer's kind the one its statistics come from.
+
+  A layout made from parameter shapes alone may take a layer for another kind than the
+  capture's (an ``nn.Einsum`` kernel with a bias for a ``DenseGeneral`` one). That is harmless
+  when both give the same factors and the same gradient matrix (the plain steps use the
+  layout's kind): the check step then uses the statistics' kind. Otherwise the layer's kind
+  raises, saying to pass ``layers=thor_optax.captured_layers(stats)``.
+
+  Raises:
+    ValueError: naming the layer, if its statistics' kind lays it out differently.
+  """
+  specs = []
+  for spec in layout.layers:
+    stats = flat.get(spec.name)
+    kind = None if stats is None else layers_lib.kind_of_stats(stats)
+    if kind is None or kind is spec.kind:
+      specs.append(spec)
+      continue
+    captured = _same_layout(spec, kind, kind.hint(stats))
+    if captured is None:
+      layer_base.LayerKind.check_stats(spec.kind, spec, stats)  # raises, saying what to do
+    specs.append(captured)
+  return dataclasses.replace(layout, layers=tuple(specs))
+
+
+def _same_layout(spec: layer_base.LayerSpec, kind: layer_base.LayerKind,
+                 hint: tuple) -> Optional[layer_base.LayerSpec]:
+  """``spec`` as ``kind`` with ``hint`` would lay the layer out, if that is ``spec``'s layout:
+  the same factor dimensions, no side curvature, and the same gradient matrix (checked on a
+  probe of distinct values); else ``None``."""
+  claim = kind.claim_captured(spec.path, dict(spec.shapes), hint)
+  no_side = all(type(k).side_init is layer_base.LayerKind.side_init for k in (kind, spec.kind))
+  if claim is None or not no_side or (claim.a_dim, claim.g_dim) != (
+      spec.a and spec.a.dim, spec.g and spec.g.dim):
+    return None
+  other = dataclasses.replace(spec, kind=kind, in_axes=claim.in_axes, hint=tuple(hint))
+  size = 0
+  probe = {}
+  for name, shape in spec.shapes:
+    probe[name] = np.arange(size, size + math.prod(shape), dtype=np.float32).reshape(shape)
+    size += math.prod(shape)
+  mine = np.asarray(spec.kind.to_matrix(spec, probe, jnp.float32))
+  theirs = np.asarray(kind.to_matrix(other, probe, jnp.float32))
+  return other if mine.shape == theirs.shape and np.array_equal(mine, theirs) else None
 
 
 def state_dtype(state: Any) -> jnp.dtype:
@@ -372,10 +423,6 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
         "layers of the other partitions are ignored). A layer whose parameter shapes do not "
         "show how the model applies it (an nn.Einsum kernel) needs the capture's layout: "
         "layers=thor_optax.captured_layers(stats).")
-  for name, layer in flat.items():  # a layout from shapes that took the layer for another kind
-    spec = layout.layer(name)
-    if type(layer) is not spec.kind.stats_type:
-      layer_base.LayerKind.check_stats(spec.kind, spec, layer)
   flat = {name: (layout.layer(name).flat_stack(layer) if layout.layer(name).stack else layer)
           for name, layer in flat.items()}
   silent = {name: why for name, why in reasons.items()

@@ -24,12 +24,14 @@ from thor_optax._src import layers as layers_lib
 from thor_optax._src.layers import conv
 from thor_optax._src.layers import dense
 from thor_optax._src.layers import dense_general
+from thor_optax._src.layers import einsum
 from thor_optax._src.layers import embed
 from thor_optax._src.layers import norm
 
 
 DenseStats = dense.DenseStats
 DenseGeneralStats = dense_general.DenseGeneralStats
+EinsumStats = einsum.EinsumStats
 ConvStats = conv.ConvStats
 EmbedStats = embed.EmbedStats
 NormStats = norm.NormStats

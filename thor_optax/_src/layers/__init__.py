@@ -2,7 +2,7 @@
 loop over it.
 
 Each kind is one module of this package (``dense.py``, ``conv.py``, ``dense_general.py``,
-``embed.py``, ``norm.py``)
+``einsum.py``, ``embed.py``, ``norm.py``)
 holding a :class:`~thor_optax._src.layers.base.LayerKind`. Kinds are tried in registry order;
 a kind registered by a user with :func:`register_layer_kind` is tried before the built-in ones,
 so it can take over modules (a subclass of ``nn.Conv`` whose kernel is transformed in
@@ -17,6 +17,7 @@ from thor_optax._src.layers import base
 from thor_optax._src.layers import conv
 from thor_optax._src.layers import dense
 from thor_optax._src.layers import dense_general
+from thor_optax._src.layers import einsum
 from thor_optax._src.layers import embed
 from thor_optax._src.layers import norm
 
@@ -24,7 +25,7 @@ LayerKind = base.LayerKind
 LayerSpec = base.LayerSpec
 
 _BUILTIN: tuple[base.LayerKind, ...] = (dense.Dense(), conv.Conv(), dense_general.DenseGeneral(),
-                                         embed.Embed(), norm.Norm())
+                                         einsum.Einsum(), embed.Embed(), norm.Norm())
 _user: list[base.LayerKind] = []
 
 

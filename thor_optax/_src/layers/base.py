@@ -89,6 +89,8 @@ class LayerSpec:
       curvature, with the stack flattened to ``copies`` on a leading axis.
     in_axes: :attr:`Claim.in_axes`, the leading weight axes on the ``A`` side (``None``: all
       but the last).
+    hint: the capture's static facts of the layer (:meth:`LayerKind.hint`) when the layout was
+      made from them (``layers=captured_layers(stats)``), ``()`` otherwise.
   """
 
   path: tuple[str, ...]
@@ -98,6 +100,7 @@ class LayerSpec:
   g: Any = None
   stack: tuple[int, ...] = ()
   in_axes: Optional[int] = None
+  hint: tuple = ()
 
   @property
   def copies(self) -> int:
@@ -151,8 +154,10 @@ class LayerSpec:
 
   @property
   def has_bias(self) -> bool:
-    """Whether a ``bias`` leaf shaped like the weight's output axes sits beside it."""
-    return self.shape("bias") == tuple(self.kernel_shape[self.split:])
+    """Whether a ``bias`` leaf with one entry per output of the weight sits beside it (its
+    kind's claim checked its shape)."""
+    bias = self.shape("bias")
+    return bias is not None and math.prod(bias) == self.d_out
 
   @property
   def slots(self) -> tuple[Any, ...]:
@@ -162,12 +167,12 @@ class LayerSpec:
   @property
   def d_in(self) -> int:
     """Input dimension of the weight as a matrix (conv: ``C_in k_h k_w``), bias excluded."""
-    return int(np.prod(self.kernel_shape[:self.split]))
+    return self.kind.matrix_dims(self)[0]
 
   @property
   def d_out(self) -> int:
     """Output dimension of the weight as a matrix (the product of its output axes)."""
-    return int(np.prod(self.kernel_shape[self.split:]))
+    return self.kind.matrix_dims(self)[1]
 
 
 class Plan(NamedTuple):
@@ -351,6 +356,12 @@ class LayerKind(abc.ABC):
     if spec.has_bias:
       out["bias"] = matrix[spec.d_in].reshape(spec.shape("bias")).astype(leaves["bias"].dtype)
     return out
+
+  def matrix_dims(self, spec: LayerSpec) -> tuple[int, int]:
+    """``(d_in, d_out)`` of the weight as a matrix, bias excluded (default: the products of its
+    leading :attr:`LayerSpec.split` axes and of the others)."""
+    shape = spec.kernel_shape
+    return int(np.prod(shape[:spec.split])), int(np.prod(shape[spec.split:]))
 
   def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
     """The weight as a ``(d_in, d_out)`` matrix (default: all axes but the last are inputs)."""
