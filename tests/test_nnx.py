@@ -447,7 +447,7 @@ class FloatIds(nnx.Module):
 
 def test_failing_layer_is_named_and_classes_restored():
   originals = {cls: cls.__call__ for cls in (nnx.Linear, nnx.Conv, nnx.Embed, nnx.BatchNorm,
-                                             nnx.LayerNorm)}
+                                             nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)}
   attend = nnx.Embed.attend
   with pytest.raises(ValueError, match="integer") as info:
     thor_nnx.value_and_grad_with_stats(_loss)(FloatIds(nnx.Rngs(0)), jnp.ones((4, 2)),

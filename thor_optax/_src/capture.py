@@ -19,18 +19,21 @@ Captured layer kinds (a single call per forward pass each; see ``layers/*.py``):
 * ``nn.Conv`` (2-D, one feature group, unmasked) -> ``ConvStats``;
 * ``nn.Embed`` (``__call__`` only; a module whose ``attend`` runs, e.g. tied input/output
   embeddings, is shared and left alone) -> ``EmbedStats`` (token ids, output cotangents);
-* ``nn.BatchNorm`` and ``nn.LayerNorm`` with scale and/or bias over the last axis only ->
-  ``NormStats`` (per-example scale and bias gradients);
+* ``nn.BatchNorm``, ``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.RMSNorm`` with scale and/or
+  bias over the last axis only (``RMSNorm``: scale only) -> ``NormStats`` (per-example scale and
+  bias gradients);
 * modules of kinds registered with ``thor_optax.register_layer_kind``.
 
-For a normalization layer (a kind with ``normalized_input``) the interceptor also needs ``x_hat``, the normalized input before
-scale and bias. It is recomputed by applying an unbound clone of the module with
-``use_scale=False, use_bias=False`` (and the layer's output dtype) to the same arguments, with
-the layer's non-parameter collections (``batch_stats``) as read before the layer runs and
-``mutable=True`` so that a training-mode BatchNorm may update its (discarded) copy of the running
-statistics. The clone's statistics are the layer's own (the batch's, or the running averages),
-and ``x_hat`` is never formed as ``(y - bias) / scale``, which fails for a zero scale (zero-init
-residual BatchNorm). Model parameters, ``batch_stats`` and the model's outputs are untouched.
+For a normalization layer (a kind with ``normalized_input``) the interceptor also needs
+``x_hat``, the normalized input before scale and bias. It is recomputed by applying an unbound
+clone of the module without its affine map (the kind's ``unit_affine``: ``use_scale=False``
+and, where the class has a bias, ``use_bias=False``, in the layer's output dtype) to the same
+arguments, with the layer's non-parameter collections (``batch_stats``) as read before the
+layer runs and ``mutable=True`` so that a training-mode BatchNorm may update its (discarded)
+copy of the running statistics. The clone's statistics are the layer's own (the batch's, or the
+running averages), and ``x_hat`` is never formed as ``(y - bias) / scale``, which fails for a
+zero scale (zero-init residual BatchNorm). Model parameters, ``batch_stats`` and the model's
+outputs are untouched.
 
 Fisher types:
 
@@ -661,11 +664,12 @@ def _inputs_feeding_outputs(jaxpr: Any) -> set:
   return live
 
 
-def _normalized_input(mod: nn.Module, args: tuple, kwargs: dict, state: dict,
-                      dtype: jnp.dtype) -> jax.Array:
-  """``x_hat`` of a normalization layer: an unbound clone without scale and bias, applied to
-  the same arguments with the layer's collections as it read them."""
-  plain = mod.clone(parent=None, use_scale=False, use_bias=False, dtype=dtype)
+def _normalized_input(kind: layer_base.LayerKind, mod: nn.Module, args: tuple, kwargs: dict,
+                      state: dict, dtype: jnp.dtype) -> jax.Array:
+  """``x_hat`` of a normalization layer: an unbound clone without scale and bias (the kind's
+  ``unit_affine``), applied to the same arguments with the layer's collections as it read
+  them."""
+  plain = kind.unit_affine(mod, dtype)
   x_hat, _ = plain.apply(state, *args, mutable=True, **kwargs)
   return jax.lax.stop_gradient(x_hat)
 
@@ -684,7 +688,8 @@ def _with_channels(params: Any, perts: Mapping[tuple[str, ...], jax.Array]) -> A
   return tree
 
 
-def _forward(apply: _Apply, model_state: dict, inputs: Any, normalized: set,
+def _forward(apply: _Apply, model_state: dict, inputs: Any,
+             normalized: Mapping[tuple[str, ...], layer_base.LayerKind],
              shared: Mapping[tuple[str, ...], frozenset], params: Any,
              perts: dict) -> tuple[Any, tuple[dict, Any]]:
   """The forward pass that records captured layers' inputs and perturbs their outputs.
@@ -721,7 +726,7 @@ def _forward(apply: _Apply, model_state: dict, inputs: Any, normalized: set,
     out = next_fun(*args, **kwargs)
     in_clone[0] = True
     try:
-      x_hat = _normalized_input(mod, args, kwargs, state, out.dtype)
+      x_hat = _normalized_input(normalized[path], mod, args, kwargs, state, out.dtype)
     finally:
       in_clone[0] = False
     mod.scope.put_variable("params", _INPUTS, x_hat)
@@ -829,7 +834,7 @@ def value_and_grad_with_stats(
         counts, shared)
     forward = functools.partial(
         _forward, apply, model_state, inputs,
-        {p for p, c in captured.items() if c["kind"].normalized_input},
+        {p: c["kind"] for p, c in captured.items() if c["kind"].normalized_input},
         {p: frozenset(u.method for u in c["uses"]) for p, c in captured.items() if c["uses"]})
     loss, grads, stats, mutated = vjp_with_stats(forward, params, captured, unhandled, loss_fn,
                                                  targets, rng, options)

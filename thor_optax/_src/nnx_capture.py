@@ -9,13 +9,14 @@ Why class-level patching. Linen routes every module method through
 ``flax.linen.intercept_methods``; NNX has no such hook. ``nnx.capture``/``sow``/``perturb`` work
 only where the model itself calls them, i.e. they need a model edit. So while the capture runs
 its forward passes, the intercepted methods of every registered layer kind's NNX classes
-(``layers/``: ``__call__`` of ``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``, ``nnx.BatchNorm`` and
-``nnx.LayerNorm``, and ``nnx.Embed.attend``, to detect tied embeddings) are replaced on the
-class by a wrapper, inside a context manager that restores the originals in
-``finally``. User models are never edited. The wrappers act only on the thread that entered the
-context and only on the modules of the model copy being captured (found by object identity);
-every other call, in this or another thread, goes to the original method. Nested captures are
-reference-counted, so the classes are restored when the outermost one exits.
+(``layers/``: ``__call__`` of ``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``, ``nnx.BatchNorm``,
+``nnx.LayerNorm``, ``nnx.GroupNorm`` and ``nnx.RMSNorm``, and ``nnx.Embed.attend``, to detect
+tied embeddings) are replaced on the class by a wrapper, inside a context manager that restores
+the originals in ``finally``. User models are never edited. The wrappers act only on the
+thread that entered the context and only on the modules of the model copy being captured (found
+by object identity); every other call, in this or another thread, goes to the original method.
+Nested captures are reference-counted, so the classes are restored when the outermost one
+exits.
 
 How the model is run. The model is split into its ``nnx.Param`` state and the rest
 (``BatchStat``, RNG keys and counts, other variables); the forward pass merges a fresh copy
@@ -27,8 +28,9 @@ under ``nnx.jit``. Before that, an abstract pass (``jax.eval_shape``, no FLOPs) 
 finds the calls, their shapes and the layers that cannot be captured.
 
 ``x_hat`` of a normalization layer (the normalized input before scale and bias) comes from a
-clone of the layer taken before its call (``nnx.clone``: the running statistics as the layer
-sees them), with its scale set to ones and its bias to zeros, applied to the same arguments:
+clone of the layer taken before its call (the kind's ``unit_affine``, ``nnx.clone``: the
+running statistics as the layer sees them), with its scale set to ones and its bias (where it
+has one: not ``nnx.RMSNorm``) to zeros, applied to the same arguments:
 ``x_hat * 1 + 0`` is exact, is never formed as ``(y - bias) / scale`` (zero scale is legal), and
 has the layer's output dtype. The clone's own running-average update is discarded.
 
@@ -200,20 +202,6 @@ def _module_reasons(model: nnx.Module, params: nnx.State) -> dict[tuple[Any, ...
   return reasons
 
 
-def _unit_affine_clone(mod: nnx.Module) -> nnx.Module:
-  """A clone of a normalization layer with scale 1 and bias 0 (its output is ``x_hat``).
-
-  Taken before the layer's own call, so it holds the running statistics as the layer sees them;
-  its variables are its own, so its call leaves the layer's untouched.
-  """
-  plain = nnx.clone(mod)
-  if plain.scale is not None:
-    plain.scale[...] = jnp.ones_like(plain.scale[...])
-  if plain.bias is not None:
-    plain.bias[...] = jnp.zeros_like(plain.bias[...])
-  return plain
-
-
 def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
               call_kwargs: dict) -> tuple[dict, dict]:
   """Calls, shapes and metadata of every registered layer (a traced pass, no FLOPs).
@@ -302,10 +290,11 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: dict, captured:
       return original(mod, *args, **kwargs) + perts[path][i]
     if method != "__call__" or path not in captured:
       return original(mod, *args, **kwargs)
-    if not captured[path]["kind"].normalized_input:
+    kind = captured[path]["kind"]
+    if not kind.normalized_input:
       getattr(mod, _INPUT).set_value(capture_lib.primary_input(args, kwargs))
       return original(mod, *args, **kwargs) + getattr(mod, _PERTURBATION).get_value()
-    plain = _unit_affine_clone(mod)
+    plain = kind.unit_affine(mod, captured[path]["out"].dtype)  # before the layer's own call
     out = original(mod, *args, **kwargs)
     getattr(mod, _INPUT).set_value(jax.lax.stop_gradient(original(plain, *args, **kwargs)))
     return out + getattr(mod, _PERTURBATION).get_value()
@@ -335,10 +324,11 @@ def value_and_grad_with_stats(
   edited (the captured layer classes are patched while the capture runs; see the module
   docstring). Captured: ``nnx.Linear`` (any number of leading axes), ``nnx.Conv`` (2-D, NHWC,
   one feature group, unmasked, SAME/VALID/explicit padding), ``nnx.Embed`` (``__call__`` only),
-  ``nnx.BatchNorm`` and ``nnx.LayerNorm`` (scale and/or bias over the last axis), each called
-  once per forward pass, directly or inside ``nnx.remat``, ``nnx.scan`` or ``nnx.vmap`` (a
-  stack of layers whose parameters have leading layer axes: statistics per layer of the stack;
-  weights broadcast into the loop are listed as shared, see the module docstring).
+  ``nnx.BatchNorm``, ``nnx.LayerNorm``, ``nnx.GroupNorm`` and ``nnx.RMSNorm`` (scale and/or bias
+  over the last axis; ``RMSNorm``: scale only), each called once per forward pass, directly or
+  inside ``nnx.remat``, ``nnx.scan`` or ``nnx.vmap`` (a stack of layers whose parameters have
+  leading layer axes: statistics per layer of the stack; weights broadcast into the loop are
+  listed as shared, see the module docstring).
 
   Args:
     loss_fn: scalar training loss of the model output and the targets,

@@ -2,13 +2,14 @@
 
 A :class:`LayerKind` declares, in one place, what capture, the transforms, ``concatenate_stats``
 and weight rescaling need about one kind of layer (Flax ``Dense``, ``Conv``, ``Embed``,
-``BatchNorm``/``LayerNorm``, or a kind a user registers with
+``BatchNorm``/``LayerNorm``/``GroupNorm``/``RMSNorm``, or a kind a user registers with
 :func:`thor_optax.register_layer_kind`):
 
 * **capture**: the Flax linen and NNX module classes it matches (:attr:`linen_modules`,
   :attr:`nnx_modules`), the methods that are intercepted, whether a call can be captured
-  (:meth:`plan`) and the statistics container built from the recorded input and output
-  cotangents (:attr:`stats_type`, :meth:`make_stats`);
+  (:meth:`plan`) and the statistics container built from the recorded input (for a
+  normalization layer ``x_hat``, the output of :meth:`unit_affine`) and output cotangents
+  (:attr:`stats_type`, :meth:`make_stats`);
 * **parameters**: which module parameters it owns (:meth:`claim`), from their names and shapes
   alone, since ``optax`` ``init`` sees nothing else;
 * **curvature**: the rows behind its Kronecker factors and their scale (:meth:`factor_rows`,
@@ -201,7 +202,8 @@ class LayerKind(abc.ABC):
       are only recorded (e.g. ``Embed.attend``, to see a tied embedding).
     weight: name of the weight leaf (``'kernel'``, ``'embedding'``).
     normalized_input: whether capture records ``x_hat`` (the input normalized, before scale and
-      bias) instead of the raw input (normalization layers).
+      bias) instead of the raw input (normalization layers; such a kind defines
+      :meth:`unit_affine`).
     he_rescaled: whether ``rescale_weight_norms`` caps the weight's norm (SP-NGD).
     shares_weights: whether the kind joins several uses of one layer's weights in a forward
       pass into one statistics (:meth:`make_shared_stats`; weight sharing).
@@ -244,6 +246,22 @@ class LayerKind(abc.ABC):
     """Whether a call is captured: ``methods`` are those seen for the module in one pass."""
     del module, methods, input_shape
     return Plan(meta={})
+
+  def unit_affine(self, module: Any, dtype: jnp.dtype) -> Any:
+    """For a :attr:`normalized_input` kind: a copy of ``module`` without its affine map, whose
+    output is ``x_hat``, made before the layer's call.
+
+    Linen: an unbound module (capture applies it with the layer's non-parameter collections as
+    the layer read them, ``copy.apply(state, *args, mutable=True, **kwargs)``) computing in
+    ``dtype``, the layer's output dtype. NNX: a module with its own variables, called with the
+    arguments of the layer's call (``dtype`` is the layer's output dtype).
+
+    Raises:
+      NotImplementedError: for a kind that does not define it.
+    """
+    del module, dtype
+    raise NotImplementedError(f"layer kind {self.name!r} sets normalized_input but does not "
+                              "define unit_affine")
 
   def make_stats(self, inputs: jax.Array, cotangents: jax.Array, **meta: Any) -> Any:
     """The statistics of one call: ``inputs`` as recorded (``(N, ...)``; ``x_hat`` for

@@ -1,4 +1,6 @@
-"""Normalization layers ``y = scale * x_hat + bias``: ``nn.BatchNorm``, ``nn.LayerNorm`` and NNX's.
+"""Normalization layers ``y = scale * x_hat + bias``: ``nn.BatchNorm``, ``nn.LayerNorm``,
+``nn.GroupNorm``, ``nn.RMSNorm`` and NNX's (``nnx.BatchNorm``, ``nnx.LayerNorm``,
+``nnx.GroupNorm``, ``nnx.RMSNorm``).
 
 Their curvature is SP-NGD's unit-wise natural gradient: per channel ``c`` the 2x2 empirical
 Fisher of ``(scale_c, bias_c)``, ``F_c = (1/N) sum_{s,n} [gs, gb]^T [gs, gb]`` from the
@@ -9,12 +11,31 @@ each replica's examples is averaged across replicas before it is damped and inve
 (:meth:`Norm.side_statistics`).
 
 Capture records ``x_hat`` (the input normalized, before scale and bias) instead of the raw
-input (:attr:`Norm.normalized_input`); only scale and bias over the last axis are supported.
+input (:attr:`Norm.normalized_input`), as the output of a copy of the layer without its affine
+map (:meth:`Norm.unit_affine`); only scale and bias over the last axis are supported. What
+``x_hat`` is, per module:
+
+* ``BatchNorm``: ``(x - mean) / sqrt(var + eps)`` with the batch's statistics (training) or the
+  running averages;
+* ``LayerNorm``: the same over each example's ``reduction_axes``;
+* ``GroupNorm``: the same over each group of ``C / num_groups`` channels (and the example's
+  other ``reduction_axes``, by default all but the batch axis); its per-channel scale and bias
+  act after the normalization, always over the last axis (channels last, the only layout Flax's
+  ``GroupNorm`` has);
+* ``RMSNorm``: ``x / sqrt(mean(x^2) + eps)`` over ``reduction_axes``; it has a scale and no bias.
+
+A layer holds the leaves its class has and its ``use_scale`` / ``use_bias`` keep
+(:meth:`Norm.affine_leaves`; ``RMSNorm`` has no ``use_bias``). The Fisher of a layer without a
+bias (or scale) is built with zeros for the missing gradients (:meth:`Norm.side_statistics`),
+so its damped inverse is ``diag(1 / (F_ss + lambda), 1 / lambda)`` and the scale's update is the
+1x1 unit-wise natural gradient ``g_s / (F_ss + lambda)``.
 
 References:
   Osawa et al., "Scalable and Practical Natural Gradient", TPAMI 2020, section "Unit-wise
   natural gradient".
   Ioffe & Szegedy, "Batch Normalization", ICML 2015, section 3 (``y = scale * x_hat + bias``).
+  Wu & He, "Group Normalization", ECCV 2018, eq. 1-3 (per-channel affine after group statistics).
+  Zhang & Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019, eq. 4 (scale only).
 """
 
 from __future__ import annotations
@@ -37,7 +58,8 @@ _LEAVES = ("scale", "bias")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NormStats:
-  """Per-example gradients of a normalization layer's scale and bias (BatchNorm, LayerNorm).
+  """Per-example gradients of a normalization layer's scale and bias (BatchNorm, LayerNorm,
+  GroupNorm, RMSNorm).
 
   For ``y = scale * x_hat + bias`` over channels ``C`` (the last axis), the per-example
   gradients are ``scale_grads[s, n] = sum_t x_hat[n, t] * g[s, n, t]`` and ``bias_grads[s, n] =
@@ -99,30 +121,95 @@ def _canonical_axes(axes: Any, ndim: int) -> tuple[int, ...]:
   return tuple(sorted({int(a) % ndim for a in axes}))
 
 
+class Affine(NamedTuple):
+  """The affine map of a normalization module class.
+
+  Attributes:
+    leaves: the parameters the class can hold, of ``('scale', 'bias')``; each has a
+      ``use_<leaf>`` flag on the module.
+    axes: the attribute naming the axes its scale and bias are over (``'axis'``,
+      ``'feature_axes'``), or ``None`` where they are always over the last axis (linen's
+      ``GroupNorm``).
+  """
+
+  leaves: tuple[str, ...]
+  axes: Optional[str]
+
+
+# The classes of the normalization kind (isinstance order: a subclass gets its base's entry).
+AFFINE: tuple[tuple[type, Affine], ...] = (
+    (nn.BatchNorm, Affine(_LEAVES, "axis")),
+    (nn.LayerNorm, Affine(_LEAVES, "feature_axes")),
+    (nn.GroupNorm, Affine(_LEAVES, None)),
+    (nn.RMSNorm, Affine(("scale",), "feature_axes")),
+    (nnx.BatchNorm, Affine(_LEAVES, "axis")),
+    (nnx.LayerNorm, Affine(_LEAVES, "feature_axes")),
+    (nnx.GroupNorm, Affine(_LEAVES, "feature_axis")),
+    (nnx.RMSNorm, Affine(("scale",), "feature_axes")),
+)
+
+_UNIT = {"scale": 1, "bias": 0}  # the identity affine map
+
+
 class Norm(base.LayerKind):
-  """``nn.BatchNorm``/``nn.LayerNorm`` (and NNX's): rank-1 ``scale`` and/or ``bias`` only."""
+  """``BatchNorm``, ``LayerNorm``, ``GroupNorm`` and ``RMSNorm`` (linen and NNX): rank-1
+  ``scale`` and/or ``bias`` over the last axis only."""
 
   name = "norm"
   stats_type = NormStats
   example_axes = {"scale_grads": 1, "bias_grads": 1}
-  linen_modules = (nn.BatchNorm, nn.LayerNorm)
-  nnx_modules = (nnx.BatchNorm, nnx.LayerNorm)
+  linen_modules = tuple(cls for cls, _ in AFFINE if issubclass(cls, nn.Module))
+  nnx_modules = tuple(cls for cls, _ in AFFINE if issubclass(cls, nnx.Module))
   weight = "scale"
   normalized_input = True
 
+  def affine(self, module: Any) -> Affine:
+    """The :class:`Affine` of ``module``'s class (a subclass of this kind matching other
+    classes overrides it).
+
+    Raises:
+      TypeError: for a module of none of the classes of :data:`AFFINE`.
+    """
+    found = next((a for cls, a in AFFINE if isinstance(module, cls)), None)
+    if found is None:
+      raise TypeError(f"{type(module).__name__} is not a normalization class the {self.name!r} "
+                      "kind knows the scale and bias of; override Norm.affine for it")
+    return found
+
+  def affine_leaves(self, module: Any) -> tuple[str, ...]:
+    """The parameters ``module`` holds: those of its class that its ``use_scale`` /
+    ``use_bias`` keep (``('scale',)`` for an ``RMSNorm``, ``()`` for a layer without any)."""
+    return tuple(leaf for leaf in self.affine(module).leaves if getattr(module, f"use_{leaf}"))
+
+  def unit_affine(self, module: Any, dtype: Any) -> Any:
+    """A copy of ``module`` whose output is ``x_hat``: linen, an unbound clone without scale and
+    bias (``use_scale=False`` and, where the class has one, ``use_bias=False``) computing in
+    ``dtype``; NNX, a clone (its own variables) with scale ones and bias zeros, whose output
+    dtype is the layer's."""
+    if isinstance(module, nn.Module):
+      off = {f"use_{leaf}": False for leaf in self.affine(module).leaves}
+      return module.clone(parent=None, dtype=dtype, **off)
+    plain = nnx.clone(module)
+    for leaf in self.affine_leaves(module):
+      var = getattr(plain, leaf)
+      var[...] = jnp.full_like(var[...], _UNIT[leaf])
+    return plain
+
   def plan(self, module, methods, input_shape) -> base.Plan:
     del methods
-    if not (module.use_scale or module.use_bias):
+    leaves = self.affine_leaves(module)
+    if not leaves:
       return base.Plan(None)  # no parameters, nothing to precondition
     ndim = len(input_shape)
     if ndim < 2:
       return base.Plan(None, f"normalization input of shape {input_shape} has no batch axis")
-    name = "axis" if hasattr(module, "axis") else "feature_axes"
-    feature_axes = _canonical_axes(getattr(module, name), ndim)
-    if feature_axes != (ndim - 1,):
-      return base.Plan(None, f"{name}={feature_axes} on a rank-{ndim} input: only scale and "
-                       "bias over the last axis are supported")
-    return base.Plan(dict(has_scale=bool(module.use_scale), has_bias=bool(module.use_bias)))
+    name = self.affine(module).axes
+    if name is not None:
+      feature_axes = _canonical_axes(getattr(module, name), ndim)
+      if feature_axes != (ndim - 1,):
+        return base.Plan(None, f"{name}={feature_axes} on a rank-{ndim} input: only scale and "
+                         "bias over the last axis are supported")
+    return base.Plan(dict(has_scale="scale" in leaves, has_bias="bias" in leaves))
 
   def make_stats(self, inputs, cotangents, *, has_scale: bool, has_bias: bool) -> NormStats:
     """Per-example scale and bias gradients from ``x_hat (N, ..., C)``, ``g (S, N, ..., C)``."""
@@ -168,9 +255,18 @@ class Norm(base.LayerKind):
     return UnitwiseState(eye)
 
   def side_statistics(self, spec, stats, dtype):
-    """The ``(C, 2, 2)`` unit-wise Fisher of the statistics' examples (:func:`unitwise_fisher`)."""
+    """The ``(C, 2, 2)`` unit-wise Fisher of the statistics' examples (:func:`unitwise_fisher`).
+
+    The gradients of a leaf the layer does not have (an ``RMSNorm``'s or ``use_bias=False``
+    layer's bias) are taken as zeros whatever the statistics hold, so such a layer's Fisher is
+    ``[[F_ss, 0], [0, 0]]`` and its damped inverse ``diag(1 / (F_ss + lambda), 1 / lambda)``:
+    the scale's 1x1 damped inverse.
+    """
     self.check_stats(spec, stats)
-    return unitwise_fisher(stats.scale_grads.astype(dtype), stats.bias_grads.astype(dtype))
+    grads = [stats.scale_grads.astype(dtype), stats.bias_grads.astype(dtype)]
+    grads = [g if spec.shape(leaf) is not None else jnp.zeros_like(g)
+             for leaf, g in zip(_LEAVES, grads)]
+    return unitwise_fisher(*grads)
 
   def side_refresh(self, spec, stats, state, factors, damping, method, accumulator):
     """The damped 2x2 inverses from this check's Fisher (``factors``: the
