@@ -148,7 +148,7 @@ def as_captured(layout: blocks.BlockLayout, flat: dict[str, Any]) -> blocks.Bloc
   for spec in layout.layers:
     stats = flat.get(spec.name)
     kind = None if stats is None else layers_lib.kind_of_stats(stats)
-    if kind is None or kind is spec.kind:
+    if kind is None or type(stats) is spec.kind.stats_type:  # kinds may share a stats type
       specs.append(spec)
       continue
     captured = _same_layout(spec, kind, kind.hint(stats))
