@@ -13,16 +13,23 @@ asks each module's registered layer kind, ``layers/``), the Fisher options
 (:class:`FisherOptions`) and the ``vjp`` that turns recorded inputs and output cotangents into
 each kind's statistics (:func:`vjp_with_stats`).
 
-Captured layer kinds (a single call per forward pass each; see ``layers/*.py``):
+Captured layer kinds (see ``layers/*.py``):
 
 * ``nn.Dense`` -> ``DenseStats`` (input, output cotangents);
+* ``nn.DenseGeneral`` -> ``DenseGeneralStats``, ``nn.Einsum`` (an equation that is a matrix
+  product per position) -> ``EinsumStats`` (both flattened to a dense layer's);
 * ``nn.Conv`` (2-D, one feature group, unmasked) -> ``ConvStats``;
-* ``nn.Embed`` (``__call__`` only; a module whose ``attend`` runs, e.g. tied input/output
-  embeddings, is shared and left alone) -> ``EmbedStats`` (token ids, output cotangents);
+* ``nn.Embed`` -> ``EmbedStats`` (token ids, output cotangents; for a tied embedding also its
+  ``attend`` inputs and logit cotangents);
 * ``nn.BatchNorm``, ``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.RMSNorm`` with scale and/or
   bias over the last axis only (``RMSNorm``: scale only) -> ``NormStats`` (per-example scale and
   bias gradients);
 * modules of kinds registered with ``thor_optax.register_layer_kind``.
+
+A layer called once is captured through its own ``params`` scope, directly or inside lifted
+transforms; a layer whose weights are used several times directly in the forward pass (called
+twice, an embedding's ``__call__`` and ``attend``) is weight sharing: every use is recorded and
+perturbed in the forward trace and the kind joins them (:func:`shared_uses`).
 
 For a normalization layer (a kind with ``normalized_input``) the interceptor also needs
 ``x_hat``, the normalized input before scale and bias. It is recomputed by applying an unbound
@@ -266,6 +273,7 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
     if plan.meta is None and not plan.reason:
       continue  # no parameters, nothing to precondition
     n_calls = (counts or {}).get(path, sum(c.method == "__call__" for c in seen))
+    sharing = n_calls > 1 or any(c.method != "__call__" for c in seen)
     overridden = kind.overridden(first.module)
     if overridden:
       plan = layer_base.Plan(None, (
@@ -279,15 +287,13 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
           "cell, or a layer mapped over a dimension): weight sharing is not preconditioned yet"))
     elif path in (shared or {}):
       plan = layer_base.Plan(None, shared[path])
-    elif n_calls > 1 or any(c.method != "__call__" for c in seen):
+    elif sharing:
       plan = shared_uses(kind, plan, seen, n_calls)
     if plan.meta is None:
       unhandled[path] = plan.reason
       continue
-    sharing = n_calls > 1 or any(c.method != "__call__" for c in seen)
-    uses = tuple(seen) if sharing else None
     captured[path] = dict(kind=kind, meta=plan.meta, out=first.out, stack=first.stack,
-                          uses=uses)
+                          uses=tuple(seen) if sharing else None)
   for path, reason in {**module_reasons, **(shared or {})}.items():
     if path not in captured and path not in unhandled:
       unhandled[path] = reason

@@ -9,9 +9,9 @@ Why class-level patching. Linen routes every module method through
 ``flax.linen.intercept_methods``; NNX has no such hook. ``nnx.capture``/``sow``/``perturb`` work
 only where the model itself calls them, i.e. they need a model edit. So while the capture runs
 its forward passes, the intercepted methods of every registered layer kind's NNX classes
-(``layers/``: ``__call__`` of ``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``, ``nnx.BatchNorm``,
-``nnx.LayerNorm``, ``nnx.GroupNorm`` and ``nnx.RMSNorm``, and ``nnx.Embed.attend``, to detect
-tied embeddings) are replaced on the class by a wrapper, inside a context manager that restores
+(``layers/``: ``__call__`` of ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``,
+``nnx.Conv``, ``nnx.Embed``, ``nnx.BatchNorm``, ``nnx.LayerNorm``, ``nnx.GroupNorm`` and
+``nnx.RMSNorm``, and ``nnx.Embed.attend``, a tied embedding's second use) are replaced on the class by a wrapper, inside a context manager that restores
 the originals in ``finally``. User models are never edited. The wrappers act only on the
 thread that entered the context and only on the modules of the model copy being captured (found
 by object identity); every other call, in this or another thread, goes to the original method.
@@ -322,13 +322,16 @@ def value_and_grad_with_stats(
 
   The NNX counterpart of ``thor_optax.flax.value_and_grad_with_stats``: the model is not
   edited (the captured layer classes are patched while the capture runs; see the module
-  docstring). Captured: ``nnx.Linear`` (any number of leading axes), ``nnx.Conv`` (2-D, NHWC,
-  one feature group, unmasked, SAME/VALID/explicit padding), ``nnx.Embed`` (``__call__`` only),
-  ``nnx.BatchNorm``, ``nnx.LayerNorm``, ``nnx.GroupNorm`` and ``nnx.RMSNorm`` (scale and/or bias
-  over the last axis; ``RMSNorm``: scale only), each called once per forward pass, directly or
-  inside ``nnx.remat``, ``nnx.scan`` or ``nnx.vmap`` (a stack of layers whose parameters have
-  leading layer axes: statistics per layer of the stack; weights broadcast into the loop are
-  listed as shared, see the module docstring).
+  docstring). Captured: ``nnx.Linear`` (any number of leading axes), ``nnx.LinearGeneral``
+  and ``nnx.Einsum`` (``nnx.MultiHeadAttention``'s projections; an einsum that is a matrix
+  product per position), ``nnx.Conv`` (2-D, NHWC, one feature group, unmasked,
+  SAME/VALID/explicit padding), ``nnx.Embed`` (tied or not), ``nnx.BatchNorm``,
+  ``nnx.LayerNorm``, ``nnx.GroupNorm`` and ``nnx.RMSNorm`` (scale and/or bias over the last
+  axis; ``RMSNorm``: scale only), each called once per forward pass, directly or inside
+  ``nnx.remat``, ``nnx.scan`` or ``nnx.vmap`` (a stack of layers whose parameters have leading
+  layer axes: statistics per layer of the stack; weights broadcast into the loop are listed as
+  shared, see the module docstring), or used several times directly in the forward pass
+  (weight sharing: every use joins the layer's statistics).
 
   Args:
     loss_fn: scalar training loss of the model output and the targets,
