@@ -199,7 +199,8 @@ def test_dense_with_positions():
   x = jnp.asarray(randn(3, (n, t, d)))
   y = jnp.asarray(randn(4, (n, 2)))
   params = init_params(model, x)
-  (_, _), stats = reference.capture(model, squared_error)(params, x, y)
+  # A loss per example: 'auto' would reduce the positions; expand keeps them as recorded.
+  (_, _), stats = reference.capture(model, squared_error, weight_sharing="expand")(params, x, y)
   layer = stats.layers["Dense_0"]
   assert isinstance(layer, thor_optax.DenseStats)
   assert layer.inputs.shape == (n, t, d)

@@ -29,12 +29,13 @@ class _ConvNet(nn.Module):
 
 
 class _Shared(nn.Module):
-  """A Dense layer called twice: captured by neither path, named in ``unhandled``."""
+  """A LayerNorm applied twice (weight sharing of a normalization layer): captured by neither
+  path, named in ``unhandled``."""
 
   @nn.compact
   def __call__(self, x):
-    shared = nn.Dense(5)
-    x = nn.tanh(shared(nn.tanh(shared(x))))
+    shared = nn.LayerNorm()
+    x = nn.tanh(shared(nn.tanh(shared(nn.Dense(5)(x)))))
     return nn.Dense(3)(x)
 
 
@@ -220,7 +221,8 @@ def test_layers_the_capture_cannot_precondition_are_named():
   params = model.init(jax.random.PRNGKey(1), x)["params"]
   (_, grads), stats = value_and_grad_with_stats(model, _loss)(params, x, y)
   tx = thor_optax.scale_by_thor(0.05, block_size=4)
-  with pytest.warns(UserWarning, match=r"Dense_0: called 2 times.*optax.partition"):
+  with pytest.warns(UserWarning, match=r"LayerNorm_0: called 2 times.*optax.partition"):
     updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats)
-  _assert_trees_close(updates["Dense_0"], grads["Dense_0"], rtol=0, atol=0)
-  assert not np.allclose(updates["Dense_1"]["kernel"], grads["Dense_1"]["kernel"])
+  _assert_trees_close(updates["LayerNorm_0"], grads["LayerNorm_0"], rtol=0, atol=0)
+  for name in ("Dense_0", "Dense_1"):
+    assert not np.allclose(updates[name]["kernel"], grads[name]["kernel"])

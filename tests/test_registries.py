@@ -262,6 +262,10 @@ class KindNet(nn.Module):
       h = nn.Conv(4, (3, 3), padding="SAME", name="layer")(x).mean(axis=(1, 2))
     elif self.kind == "embed":
       h = nn.Embed(7, 4, name="layer")(x).mean(axis=1)
+    elif self.kind == "dense_general":
+      h = nn.DenseGeneral((2, 2), name="layer")(x).reshape(x.shape[0], 4)
+    elif self.kind == "einsum":  # the contracted axis in the kernel's middle
+      h = nn.Einsum((2, 3, 2), "nd,hdk->nhk", name="layer")(x).reshape(x.shape[0], 4)
     elif self.kind == "norm":
       h = nn.LayerNorm(name="layer")(nn.Dense(4, name="pre")(x))
     else:
@@ -281,6 +285,10 @@ class NnxKindNet(nnx.Module):
       self.layer = nnx.Conv(2, 4, (3, 3), padding="SAME", **kw)
     elif kind == "embed":
       self.layer = nnx.Embed(7, 4, **kw)
+    elif kind == "dense_general":
+      self.layer = nnx.LinearGeneral(3, (2, 2), **kw)
+    elif kind == "einsum":
+      self.layer = nnx.Einsum("nd,hdk->nhk", (2, 3, 2), (2, 2), **kw)
     elif kind == "norm":
       self.pre = nnx.Linear(3, 4, **kw)
       self.layer = nnx.LayerNorm(4, **kw)
@@ -295,6 +303,8 @@ class NnxKindNet(nnx.Module):
       h = self.layer(x).mean(axis=(1, 2))
     elif self.kind == "embed":
       h = self.layer(x).mean(axis=1)
+    elif self.kind in ("dense_general", "einsum"):
+      h = self.layer(x).reshape(x.shape[0], 4)
     else:
       h = self.layer(self.pre(x))
     return self.head(jnp.tanh(h))
@@ -370,11 +380,17 @@ def test_layer_kind(kind):
     _assert_trees_close(nnx.to_pure_dict(nnx_grads), grads, rtol=1e-12, atol=1e-14)
 
   shapes = {name: tuple(leaf.shape) for name, leaf in params["layer"].items()}
-  spec = blocks.build_layout(params, None).layer("layer")
+  captured = thor_optax.captured_layers(stats)
+  spec = blocks.build_layout(params, None, captured=captured.kinds).layer("layer")
   with check("claim: the kind claims the layer's leaves, the layout assigns it the layer"):
-    claim = kind.claim(("layer",), shapes)
+    assert captured.kinds["layer"] == (kind.name, kind.hint(stats.layers["layer"]))
+    claim = kind.claim_captured(("layer",), shapes, kind.hint(stats.layers["layer"]))
     assert claim is not None
-    assert layers_lib.claim(("layer",), shapes) == (kind, claim)
+    if kind.name != "einsum":  # an einsum's contracted axes are in its equation only
+      assert kind.claim(("layer",), shapes) == claim
+      assert layers_lib.claim(("layer",), shapes) == (kind, claim)
+      shape_only = blocks.build_layout(params, None).layer("layer")
+      assert dataclasses.replace(shape_only, hint=spec.hint) == spec
     assert spec.kind is kind and spec.path == ("layer",)
     assert (claim.a_dim is None) == (spec.a is None)
     assert (claim.g_dim is None) == (spec.g is None)
@@ -388,8 +404,12 @@ def test_layer_kind(kind):
     # example_axes names every array field of the statistics.
     fields = {f.name for f in dataclasses.fields(kind.stats_type)}
     arrays = {f for f in fields if isinstance(getattr(joined.layers["layer"], f), jax.Array)}
-    assert set(kind.example_axes) == arrays
+    optional = set(kind.example_axes) - arrays  # a tied embedding's fields, here None
+    assert arrays <= set(kind.example_axes)
+    assert all(getattr(joined.layers["layer"], f) is None for f in optional)
     for field, axis in kind.example_axes.items():
+      if field in optional:
+        continue
       assert getattr(first.layers["layer"], field).shape[axis] == FIRST
       assert getattr(joined.layers["layer"], field).shape[axis] == BATCH
     _assert_trees_close(joined, stats, rtol=1e-10, atol=1e-13)
