@@ -16,7 +16,9 @@ each kind's statistics (:func:`vjp_with_stats`).
 Captured layer kinds (a single call per forward pass each; see ``layers/*.py``):
 
 * ``nn.Dense`` -> ``DenseStats`` (input, output cotangents);
-* ``nn.Conv`` (2-D, one feature group, unmasked) -> ``ConvStats``;
+* ``nn.Conv`` (1-D, 2-D or 3-D, grouped or depthwise, unmasked; SAME, VALID, explicit or 1-D
+  CAUSAL padding) -> ``ConvStats`` (1-D, 3-D and grouped convolutions need the capture's layout,
+  ``layers=thor_optax.captured_layers(stats)``: their kernel shapes do not show them);
 * ``nn.Embed`` (``__call__`` only; a module whose ``attend`` runs, e.g. tied input/output
   embeddings, is shared and left alone) -> ``EmbedStats`` (token ids, output cotangents);
 * ``nn.BatchNorm`` and ``nn.LayerNorm`` with scale and/or bias over the last axis only ->
@@ -786,7 +788,7 @@ def value_and_grad_with_stats(
     * ``grads`` mirrors ``params``;
     * ``stats`` is a :class:`CurvatureStats` whose ``layers`` mirror ``params`` at every
       captured layer: :class:`DenseStats` (inputs ``(N, ..., d_in)``, cotangents
-      ``(S, N, ..., d_out)``), :class:`ConvStats` (inputs ``(N, H, W, C)``),
+      ``(S, N, ..., d_out)``), :class:`ConvStats` (inputs ``(N, spatial..., C)``),
       :class:`EmbedStats` (ids ``(N, ...)``, cotangents ``(S, N, ..., features)``) or
       :class:`NormStats` (``(S, N, C)`` per-example scale and bias gradients). Cotangents are
       per example: ``N`` times those of a mean loss (``N`` = number of loss terms). Its

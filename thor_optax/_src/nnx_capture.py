@@ -333,12 +333,14 @@ def value_and_grad_with_stats(
 
   The NNX counterpart of ``thor_optax.flax.value_and_grad_with_stats``: the model is not
   edited (the captured layer classes are patched while the capture runs; see the module
-  docstring). Captured: ``nnx.Linear`` (any number of leading axes), ``nnx.Conv`` (2-D, NHWC,
-  one feature group, unmasked, SAME/VALID/explicit padding), ``nnx.Embed`` (``__call__`` only),
-  ``nnx.BatchNorm`` and ``nnx.LayerNorm`` (scale and/or bias over the last axis), each called
-  once per forward pass, directly or inside ``nnx.remat``, ``nnx.scan`` or ``nnx.vmap`` (a
-  stack of layers whose parameters have leading layer axes: statistics per layer of the stack;
-  weights broadcast into the loop are listed as shared, see the module docstring).
+  docstring). Captured: ``nnx.Linear`` (any number of leading axes), ``nnx.Conv`` (1-D, 2-D or
+  3-D, channels last, grouped or depthwise, unmasked, SAME/VALID/explicit or 1-D CAUSAL
+  padding; 1-D, 3-D and grouped ones need ``layers=thor_optax.captured_layers(stats)``),
+  ``nnx.Embed`` (``__call__`` only), ``nnx.BatchNorm`` and ``nnx.LayerNorm`` (scale and/or
+  bias over the last axis), each called once per forward pass, directly or inside
+  ``nnx.remat``, ``nnx.scan`` or ``nnx.vmap`` (a stack of layers whose parameters have leading
+  layer axes: statistics per layer of the stack; weights broadcast into the loop are listed as
+  shared, see the module docstring).
 
   Args:
     loss_fn: scalar training loss of the model output and the targets,
@@ -370,7 +372,7 @@ def value_and_grad_with_stats(
     * ``stats`` is a :class:`CurvatureStats` whose ``layers`` nest like ``grads`` at every
       captured layer (``stats.layers['blocks'][0]['linear']`` for the module at
       ``model.blocks[0].linear``): :class:`DenseStats` (inputs ``(N, ..., d_in)``, cotangents
-      ``(S, N, ..., d_out)``), :class:`ConvStats` (inputs ``(N, H, W, C)``),
+      ``(S, N, ..., d_out)``), :class:`ConvStats` (inputs ``(N, spatial..., C)``),
       :class:`EmbedStats` (ids ``(N, ...)``, cotangents ``(S, N, ..., features)``) or
       :class:`NormStats` (``(S, N, C)`` per-example scale and bias gradients). Cotangents are
       per example: ``N`` times those of a mean loss. ``unhandled`` lists, as ``"path: reason"``
