@@ -175,7 +175,8 @@ def build_layout(tree: Any, block_size: Optional[int],
     captured: ``{layer name: (kind name, hint)}`` of the layers a capture takes
       (``thor_optax.captured_layers``): only those layers are laid out, each claimed by its
       kind from the hint (``LayerKind.claim_captured``); ``None``: every module a registered
-      kind claims from its parameter shapes alone.
+      kind claims from its parameter shapes alone. A layer claimed with ``groups=G`` (a
+      grouped convolution) is laid out as a stack of ``G`` layers, each with its own factors.
 
   Returns:
     the :class:`BlockLayout`; layers appear in path order, ``A`` before ``G``.
@@ -207,15 +208,26 @@ def build_layout(tree: Any, block_size: Optional[int],
     if found is None:
       continue
     kind, claim, stack = found
-    copies = math.prod(stack)
     per_layer = {name: shape[len(stack):] for name, shape in shapes.items()}
+    if claim.groups > 1:  # a grouped layer: a stack of its groups, one group's shapes
+      per_layer = group_shapes(kind, per_layer, claim.groups)
+      stack = stack + (claim.groups,)
+    copies = math.prod(stack)
     a = slot(claim.a_dim, copies)
     specs.append(layers_lib.LayerSpec(path, kind, tuple(sorted(per_layer.items())), a,
                                       slot(claim.g_dim, copies), stack, claim.in_axes,
-                                      () if hint is None else tuple(hint[1])))
+                                      claim.groups, () if hint is None else tuple(hint[1])))
   groups = {group_key(b, r): (b, n) for (b, r), n in sorted(counts.items())}
   ranks = {group_key(b, r): r for (b, r) in sorted(counts) if r}
   return BlockLayout(tuple(specs), groups, block_size, ranks)
+
+
+def group_shapes(kind: Any, shapes: Mapping[str, tuple[int, ...]],
+                 groups: int) -> dict[str, tuple[int, ...]]:
+  """One group's leaf shapes of a grouped layer, as the kind's ``split_groups`` splits it."""
+  leaves = {name: jax.ShapeDtypeStruct(s, jnp.float32) for name, s in shapes.items()}
+  split = jax.eval_shape(lambda t: kind.split_groups(t, groups, 0), leaves)
+  return {name: tuple(int(d) for d in leaf.shape[1:]) for name, leaf in split.items()}
 
 
 def claim_stacked(path: tuple[str, ...], shapes: dict[str, tuple[int, ...]],

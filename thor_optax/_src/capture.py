@@ -18,7 +18,10 @@ Captured layer kinds (see ``layers/*.py``):
 * ``nn.Dense`` -> ``DenseStats`` (input, output cotangents);
 * ``nn.DenseGeneral`` -> ``DenseGeneralStats``, ``nn.Einsum`` (an equation that is a matrix
   product per position) -> ``EinsumStats`` (both flattened to a dense layer's);
-* ``nn.Conv`` (2-D, one feature group, unmasked) -> ``ConvStats``;
+* ``nn.Conv`` (1-D, 2-D or 3-D, grouped or depthwise, unmasked; SAME, VALID, explicit or 1-D
+  CAUSAL padding) -> ``ConvStats`` (grouped convolutions, and 1-D and 3-D ones without bias,
+  need the capture's layout, ``layers=thor_optax.captured_layers(stats)``: their kernel shapes
+  do not show them);
 * ``nn.Embed`` -> ``EmbedStats`` (token ids, output cotangents; for a tied embedding also its
   ``attend`` inputs and logit cotangents);
 * ``nn.BatchNorm``, ``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.RMSNorm`` with scale and/or
@@ -797,7 +800,7 @@ def value_and_grad_with_stats(
     * ``grads`` mirrors ``params``;
     * ``stats`` is a :class:`CurvatureStats` whose ``layers`` mirror ``params`` at every
       captured layer: :class:`DenseStats` (inputs ``(N, ..., d_in)``, cotangents
-      ``(S, N, ..., d_out)``), :class:`ConvStats` (inputs ``(N, H, W, C)``),
+      ``(S, N, ..., d_out)``), :class:`ConvStats` (inputs ``(N, spatial..., C)``),
       :class:`EmbedStats` (ids ``(N, ...)``, cotangents ``(S, N, ..., features)``) or
       :class:`NormStats` (``(S, N, C)`` per-example scale and bias gradients). Cotangents are
       per example: ``N`` times those of a mean loss (``N`` = number of loss terms). Its

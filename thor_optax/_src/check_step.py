@@ -165,8 +165,8 @@ def _same_layout(spec: layer_base.LayerSpec, kind: layer_base.LayerKind,
   probe of distinct values); else ``None``."""
   claim = kind.claim_captured(spec.path, dict(spec.shapes), hint)
   no_side = all(type(k).side_init is layer_base.LayerKind.side_init for k in (kind, spec.kind))
-  if claim is None or not no_side or (claim.a_dim, claim.g_dim) != (
-      spec.a and spec.a.dim, spec.g and spec.g.dim):
+  if claim is None or not no_side or claim.groups != spec.groups or (
+      claim.a_dim, claim.g_dim) != (spec.a and spec.a.dim, spec.g and spec.g.dim):
     return None
   other = dataclasses.replace(spec, kind=kind, in_axes=claim.in_axes, hint=tuple(hint))
   size = 0

@@ -324,8 +324,9 @@ def value_and_grad_with_stats(
   edited (the captured layer classes are patched while the capture runs; see the module
   docstring). Captured: ``nnx.Linear`` (any number of leading axes), ``nnx.LinearGeneral``
   and ``nnx.Einsum`` (``nnx.MultiHeadAttention``'s projections; an einsum that is a matrix
-  product per position), ``nnx.Conv`` (2-D, NHWC, one feature group, unmasked,
-  SAME/VALID/explicit padding), ``nnx.Embed`` (tied or not), ``nnx.BatchNorm``,
+  product per position), ``nnx.Conv`` (1-D, 2-D or 3-D, channels last, grouped or
+  depthwise, unmasked, SAME/VALID/explicit or 1-D CAUSAL padding; grouped ones, and 1-D and
+  3-D ones without bias, need ``layers=thor_optax.captured_layers(stats)``), ``nnx.Embed`` (tied or not), ``nnx.BatchNorm``,
   ``nnx.LayerNorm``, ``nnx.GroupNorm`` and ``nnx.RMSNorm`` (scale and/or bias over the last
   axis; ``RMSNorm``: scale only), each called once per forward pass, directly or inside
   ``nnx.remat``, ``nnx.scan`` or ``nnx.vmap`` (a stack of layers whose parameters have leading
@@ -363,7 +364,7 @@ def value_and_grad_with_stats(
     * ``stats`` is a :class:`CurvatureStats` whose ``layers`` nest like ``grads`` at every
       captured layer (``stats.layers['blocks'][0]['linear']`` for the module at
       ``model.blocks[0].linear``): :class:`DenseStats` (inputs ``(N, ..., d_in)``, cotangents
-      ``(S, N, ..., d_out)``), :class:`ConvStats` (inputs ``(N, H, W, C)``),
+      ``(S, N, ..., d_out)``), :class:`ConvStats` (inputs ``(N, spatial..., C)``),
       :class:`EmbedStats` (ids ``(N, ...)``, cotangents ``(S, N, ..., features)``) or
       :class:`NormStats` (``(S, N, C)`` per-example scale and bias gradients). Cotangents are
       per example: ``N`` times those of a mean loss. ``unhandled`` lists, as ``"path: reason"``

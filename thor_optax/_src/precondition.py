@@ -92,7 +92,7 @@ def precondition(updates: Any, state: Any, layout: blocks.BlockLayout, cfg: Any,
     if spec.stack:
       new = jax.vmap(apply)(spec.flat_stack(leaves), jax.tree.map(
           lambda v, c=spec.copies: v.reshape((c, -1) + v.shape[1:]), blocks_of), side)
-      new = {k: v.reshape(leaves[k].shape) for k, v in new.items()}
+      new = spec.unflat_stack(new, leaves)
     else:
       new = apply(leaves, blocks_of, side)
     new_leaves.update({spec.path + (name,): explicit.reshard_like(leaf, given[name])

@@ -55,11 +55,16 @@ class Claim(NamedTuple):
       output (``G``) side; ``None``: all but the last (``nn.Dense``, HWIO convolutions). A
       ``DenseGeneral`` query kernel ``(d, H, h)`` has ``in_axes=1``, its output projection
       ``(H, h, d)`` ``in_axes=2``.
+    groups: ``G > 1`` for a layer made of ``G`` independent layers side by side (a grouped
+      convolution, ``feature_group_count=G``): ``a_dim`` and ``g_dim`` are then one group's,
+      and every group has its own factors, laid out as a stack of ``G`` layers
+      (:attr:`LayerSpec.groups`, :meth:`LayerKind.split_groups`).
   """
 
   a_dim: Optional[int]
   g_dim: Optional[int]
   in_axes: Optional[int] = None
+  groups: int = 1
 
 
 class FactorRows(NamedTuple):
@@ -92,6 +97,11 @@ class LayerSpec:
       but the last).
     hint: the capture's static facts of the layer (:meth:`LayerKind.hint`) when the layout was
       made from them (``layers=captured_layers(stats)``), ``()`` otherwise.
+    groups: :attr:`Claim.groups`. For ``G > 1`` the layer is laid out as a stack of its ``G``
+      groups: ``stack`` ends with ``G`` (after the parameters' own stack axes, if any),
+      ``shapes`` are one group's, and :meth:`flat_stack` splits the parameters and statistics
+      into the groups with the kind's :meth:`LayerKind.split_groups` (they carry no group
+      axis of their own).
   """
 
   path: tuple[str, ...]
@@ -102,35 +112,62 @@ class LayerSpec:
   stack: tuple[int, ...] = ()
   in_axes: Optional[int] = None
   hint: tuple = ()
+  groups: int = 1
 
   @property
   def copies(self) -> int:
-    """Number of layers in the stack (1 for a single layer)."""
+    """Number of layers in the stack (1 for a single layer; groups count as layers)."""
     return int(np.prod(self.stack, dtype=np.int64))
+
+  @property
+  def leading(self) -> tuple[int, ...]:
+    """The stack axes the parameters and statistics carry (``stack`` without the groups)."""
+    return self.stack[:len(self.stack) - 1] if self.groups > 1 else self.stack
 
   def one_layer(self) -> "LayerSpec":
     """The spec of one layer of a stack (itself for a single layer), for per-layer maths run
-    under ``jax.vmap`` over the stack."""
+    under ``jax.vmap`` over the stack (one group of a grouped layer)."""
     if not self.stack:
       return self
     return dataclasses.replace(self, a=self.a and self.a.one_copy(),
-                               g=self.g and self.g.one_copy(), stack=())
+                               g=self.g and self.g.one_copy(), stack=(), groups=1)
 
   def flat_stack(self, tree: Any) -> Any:
-    """Every leaf of ``tree`` with the leading stack axes flattened to one, ``(copies, ...)``.
+    """Every leaf of ``tree`` with the leading stack axes flattened to one, ``(copies, ...)``;
+    a grouped layer's parameters or statistics are first split into its groups
+    (:meth:`LayerKind.split_groups`), the groups after the parameters' stack axes.
 
     Raises:
       ValueError: naming the layer if a leaf does not start with the stack axes.
     """
-    def flatten(x):
-      if tuple(x.shape[:len(self.stack)]) != self.stack:
+    lead = self.leading
+
+    def check(x):
+      if tuple(x.shape[:len(lead)]) != lead:
         raise ValueError(
             f"layer {self.name!r} is a stack of layers (its parameters have the leading axes "
-            f"{self.stack}), but an array of its statistics or state has shape {x.shape}; "
+            f"{lead}), but an array of its statistics or state has shape {x.shape}; "
             "capture statistics with thor_optax.flax.value_and_grad_with_stats, which gives a "
-            "scanned stack its statistics with the stack axes first.")
-      return x.reshape((self.copies,) + x.shape[len(self.stack):])
-    return jax.tree.map(flatten, tree)
+            "scanned stack its statistics with the stack axes first. (A kernel whose shape "
+            "does not say how the model applies it, such as a 3-D convolution's without bias, "
+            "needs the capture's layout: layers=thor_optax.captured_layers(stats).)")
+      return x
+    tree = jax.tree.map(check, tree)
+    if self.groups > 1:
+      tree = self.kind.split_groups(tree, self.groups, len(lead))
+    return jax.tree.map(lambda x: x.reshape((self.copies,) + x.shape[len(self.stack):]), tree)
+
+  def unflat_stack(self, tree: Mapping[str, Any],
+                   like: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of :meth:`flat_stack` for leaves: ``{name: (copies, ...)}`` back to the shapes
+    of the leaves ``like`` (the groups of a grouped layer merged,
+    :meth:`LayerKind.merge_groups`)."""
+    tree = dict(tree)
+    if self.groups > 1:
+      lead = self.leading + (self.groups,)
+      tree = self.kind.merge_groups({k: v.reshape(lead + v.shape[1:]) for k, v in tree.items()},
+                                    self.groups, len(self.leading))
+    return {k: v.reshape(like[k].shape) for k, v in tree.items()}
 
   @property
   def name(self) -> str:
@@ -323,6 +360,30 @@ class LayerKind(abc.ABC):
     del stats
     return ()
 
+  def split_groups(self, tree: Any, groups: int, axis: int) -> Any:
+    """A grouped layer (:attr:`Claim.groups`) as ``groups`` layers: its parameter leaves or
+    its statistics with a new group axis at ``axis`` (after the ``axis`` leading stack axes).
+
+    Default: every array's last axis holds the features of the groups one after another
+    (a grouped convolution's input channels, output channels, kernel output axis and bias),
+    and is split into ``(groups, last / groups)``. A kind whose statistics carry static facts
+    about the grouping also resets them to one group's.
+    """
+    def split(x):
+      x = x.reshape(x.shape[:-1] + (groups, x.shape[-1] // groups))
+      return jnp.moveaxis(x, -2, axis)
+    return jax.tree.map(split, tree)
+
+  def merge_groups(self, tree: Mapping[str, jax.Array], groups: int,
+                   axis: int) -> dict[str, jax.Array]:
+    """Inverse of :meth:`split_groups` for parameter leaves (the group axis at ``axis``)."""
+    del groups
+
+    def merge(x):
+      x = jnp.moveaxis(x, axis, -2)
+      return x.reshape(x.shape[:-2] + (-1,))
+    return {k: merge(v) for k, v in tree.items()}
+
   # ---- Kronecker factors ---------------------------------------------------------------------
 
   def check_stats(self, spec: LayerSpec, stats: Any) -> None:
@@ -334,8 +395,8 @@ class LayerKind(abc.ABC):
           f"{self.stats_type.__name__}: the optimizer laid the layer out as a {self.name!r} "
           f"layer{f' stack {spec.stack}' if spec.stack else ''} from its parameter shapes "
           "alone, which do not say how the model applies it (a kernel without bias of "
-          "nn.DenseGeneral, nn.Einsum or a 1-D/3-D convolution). Give the optimizer the "
-          "capture's layout: layers=thor_optax.captured_layers(stats), with stats from "
+          "nn.DenseGeneral, nn.Einsum, a 1-D/3-D or grouped convolution). Give the optimizer "
+          "the capture's layout: layers=thor_optax.captured_layers(stats), with stats from "
           "jax.eval_shape of the capture (README, 'Transformers').")
 
   def input_rows(self, spec: LayerSpec, stats: Any, dtype: jnp.dtype, *, sampling: Any = None,

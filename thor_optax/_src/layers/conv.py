@@ -1,27 +1,64 @@
-"""2-D convolutions (NHWC inputs, HWIO kernel, one feature group): ``nn.Conv`` and ``nnx.Conv``.
+"""Convolutions with 1, 2 or 3 spatial dimensions, grouped or not: ``nn.Conv`` and ``nnx.Conv``.
 
-Factors (KFC, Grosse & Martens 2016, eq. 3 and section 3.1): with ``a_{n,t}`` the im2col patch
-of output position ``t`` (``T = H_out W_out`` positions per example, a ones column for the bias)
-and ``g_{s,n,t}`` the output cotangents,
+Inputs are channels-last ``(N, spatial..., C_in)``, the kernel ``(k..., C_in / G, C_out)`` with
+``G = feature_group_count``. Factors (KFC, Grosse & Martens 2016, eq. 3 and section 3.1): with
+``a_{n,t}`` the im2col patch of output position ``t`` (``T`` output positions per example, the
+product of the output's spatial sizes; a ones column for the bias) and ``g_{s,n,t}`` the output
+cotangents,
 
     A = (1/N) sum_{n,t} a_{n,t} a_{n,t}^T,   G = (1/(N T)) sum_{s,n,t} g_{s,n,t} g_{s,n,t}^T,
 
-or fewer rows with SKFAC's reduce-sum or spatial subsampling (:class:`ConvSampling`). The kernel
-``(k_h, k_w, C_in, C_out)`` is the ``(C_in k_h k_w, C_out)`` matrix in the patches' order.
+or fewer rows with SKFAC's reduce-sum or spatial subsampling (:class:`ConvSampling`).
+
+The kernel is a ``(d_in, C_out)`` matrix in the order of the patches' features:
+
+* 2-D, ``(k_h, k_w, C_in, C_out)`` -> ``(C_in k_h k_w, C_out)``, channel-major: the order of
+  ``lax.conv_general_dilated_patches`` and of THOR's reference (MindSpore's ``OIHW`` weights
+  reshaped to ``(C_out, C_in k_h k_w)``), which fixes which entries a THOR block of ``A`` holds;
+* 1-D and 3-D, ``(k..., C_in, C_out)`` -> ``(k... C_in, C_out)``, the kernel's own row-major
+  order: the matrix a ``DenseGeneral`` kernel of the same shape is (the layout a bias-carrying
+  1-D/3-D kernel gets from its shapes alone, see below).
+
+Grouped convolutions (``feature_group_count = G``; depthwise: ``G = C_in``): group ``g`` maps
+input channels ``[g C_in / G, (g + 1) C_in / G)`` to output channels ``[g C_out / G, ...)``, so
+the layer is ``G`` independent convolutions, and it gets one Kronecker pair per group: ``A_g``
+from that group's patches (``(C_in / G) k... (+1)``) and ``G_g`` from that group's output
+cotangents (``C_out / G``). The optimizer lays the layer out as a stack of ``G`` layers
+(``Claim.groups``): the block stacks hold every group's factors as the blocks of ``G`` copies,
+and the check step and the preconditioning run the ungrouped maths per group under
+``jax.vmap`` after :meth:`LayerKind.split_groups` splits the channels (parameters:
+``kernel[..., g C_out / G : ...]``; statistics: the input and cotangent channels). A depthwise
+``3 x 3`` convolution with bias thus has ``C`` blocks of ``A`` of dimension 10 (padded to 16) and
+``C`` blocks of ``G`` of dimension 1: ``O(C)`` small inversions.
+
+Layout from parameter shapes (``tx.init``): a rank-4 kernel is claimed as a 2-D convolution with
+one group. Shapes do not show the number of groups, and a 1-D or 3-D kernel is claimed as what
+its shape also is: with a bias ``(C_out,)`` a ``DenseGeneral`` kernel (same factor sizes, same
+kernel matrix), without one a stack of dense layers (1-D) or of 2-D convolutions (3-D). For
+these layers pass the capture's layout, ``layers=thor_optax.captured_layers(stats)``: the
+statistics record the number of spatial dimensions and of groups (:meth:`Conv.hint`), from
+which :meth:`Conv.claim_captured` claims the kernel exactly. Without it the check step raises
+a ``ValueError`` saying so.
+
+Not captured (listed with the reason): masked convolutions, ``'CIRCULAR'`` / ``'REFLECT'``
+padding, and ``'CAUSAL'`` padding with input dilation.
 
 References:
   Grosse & Martens, "A Kronecker-factored approximate Fisher matrix for convolution layers",
   ICML 2016.
   Tang et al., "SKFAC", CVPR 2021 (reduce-sum and spatial subsampling).
+  Chen et al., "THOR", AAAI 2021 (MindSpore reference: ``OIHW`` weights, 2-D convolutions).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Mapping, Optional, Union
 
 import flax.linen as nn
 from flax import nnx
+from flax.linen import linear
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,28 +71,31 @@ from thor_optax._src.layers import dense
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ConvStats:
-  """Statistics of one 2-D convolution (NHWC inputs, HWIO kernel, one feature group).
+  """Statistics of one convolution (channels-last inputs, kernel ``(k..., C_in / G, C_out)``).
 
   Attributes:
-    inputs: layer input, shape ``(N, H, W, C_in)``.
-    cotangents: per-example output cotangents, shape ``(S, N, H_out, W_out, C_out)``.
-    kernel_size: ``(k_h, k_w)``.
-    strides: ``(s_h, s_w)``.
-    padding: ``'SAME'``, ``'VALID'`` or ``((lo_h, hi_h), (lo_w, hi_w))``.
-    input_dilation: ``(d_h, d_w)`` (``lhs_dilation`` of ``lax.conv_general_dilated``).
-    kernel_dilation: ``(d_h, d_w)`` (``rhs_dilation``).
+    inputs: layer input, shape ``(N, spatial..., C_in)`` (``(N, H, W, C_in)`` in 2-D).
+    cotangents: per-example output cotangents, shape ``(S, N, out spatial..., C_out)``.
+    kernel_size: ``(k...)``, one size per spatial dimension (``(k_h, k_w)`` in 2-D).
+    strides: one stride per spatial dimension.
+    padding: ``'SAME'``, ``'SAME_LOWER'``, ``'VALID'`` or ``((lo, hi), ...)`` per spatial
+      dimension (the padding of ``lax.conv_general_dilated``).
+    input_dilation: one per spatial dimension (``lhs_dilation``); ``None``: ones.
+    kernel_dilation: one per spatial dimension (``rhs_dilation``); ``None``: ones.
+    feature_group_count: ``G``, the number of groups (``C_in`` for a depthwise convolution).
   """
 
   inputs: jax.Array
   cotangents: jax.Array
-  kernel_size: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
-  strides: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+  kernel_size: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  strides: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
   padding: Union[str, tuple[tuple[int, int], ...]] = dataclasses.field(
       metadata=dict(static=True))
-  input_dilation: tuple[int, int] = dataclasses.field(
-      default=(1, 1), metadata=dict(static=True))
-  kernel_dilation: tuple[int, int] = dataclasses.field(
-      default=(1, 1), metadata=dict(static=True))
+  input_dilation: Optional[tuple[int, ...]] = dataclasses.field(
+      default=None, metadata=dict(static=True))
+  kernel_dilation: Optional[tuple[int, ...]] = dataclasses.field(
+      default=None, metadata=dict(static=True))
+  feature_group_count: int = dataclasses.field(default=1, metadata=dict(static=True))
 
 
 CONV_SAMPLING_MODES = ("expand", "reduce_sum", "spatial_subsample")
@@ -66,7 +106,8 @@ class ConvSampling:
   """How a conv layer's ``T`` output positions per example become factor rows.
 
   With ``a_{n,t}`` the im2col patch (bias ones column last) and ``g_{j,n,t}`` cotangent sample
-  ``j`` of example ``n`` at output position ``t`` (``T = H_out W_out``):
+  ``j`` of example ``n`` at output position ``t`` (``T``: the product of the output's spatial
+  sizes, ``H_out W_out`` in 2-D; for a grouped convolution, per group):
 
   * ``'expand'`` (KFC, Grosse & Martens 2016): every position is a row, ``A = (1/N) sum_{n,t}
     a a^T`` and ``G = (1/(N T)) sum_{j,n,t} g g^T``; ``N T`` and ``S N T`` rows.
@@ -124,12 +165,12 @@ def subsample_positions(key: Optional[jax.Array], num_examples: int, num_positio
       uniformly without replacement (one permutation per example). The same key gives the same
       positions, so calling this once per factor with one key pairs ``A`` and ``G``.
     num_examples: ``N`` (static).
-    num_positions_total: ``T = H_out W_out`` (static), positions in row-major
-      ``(H_out, W_out)`` order.
+    num_positions_total: ``T`` (static), the output positions in row-major order of the
+      output's spatial axes (``(H_out, W_out)`` in 2-D).
     s: positions kept per example (static), ``1 <= s <= T``.
 
   Returns:
-    ``(N, s)`` int32 indices into the flattened ``H_out W_out`` grid (strided: increasing).
+    ``(N, s)`` int32 indices into the flattened output grid (strided: increasing).
 
   Raises:
     ValueError: if ``s`` is not in ``[1, T]``.
@@ -145,71 +186,90 @@ def subsample_positions(key: Optional[jax.Array], num_examples: int, num_positio
   return perms[:, :s].astype(jnp.int32)
 
 
-def conv_patches(stats: "ConvStats") -> jax.Array:
-  """im2col patches of a conv layer's input.
+def ones(value: Optional[tuple[int, ...]], num_spatial: int) -> tuple[int, ...]:
+  """A per-dimension setting of :class:`ConvStats` (``None``: ones)."""
+  return (1,) * num_spatial if value is None else tuple(int(v) for v in value)
 
-  Built from ``k_h * k_w`` strided slices of the padded input: pure data movement, ``O(N H' W'
-  C k_h k_w)``. (``lax.conv_general_dilated_patches`` computes the same array as a convolution
-  with an identity kernel, ``O(C^2 k_h^2 k_w^2)`` multiply-adds per position, which dominated
-  a check step on CPU; it is kept only for input dilation.)
+
+def conv_patches(stats: "ConvStats") -> jax.Array:
+  """im2col patches of a conv layer's input (one feature group: the whole input).
+
+  Built from ``prod(k...)`` strided slices of the input, dilated and padded by one
+  ``lax.pad`` (interior padding is the input dilation; negative pads crop): pure data movement,
+  ``O(N T C_in prod(k...))``. (``lax.conv_general_dilated_patches`` computes the same array as
+  a convolution with an identity kernel, ``O(C^2 prod(k...)^2)`` multiply-adds per position,
+  which dominated a check step on CPU.)
 
   Args:
-    stats: the layer's :class:`ConvStats`; ``inputs`` has shape ``(N, H, W, C_in)``.
+    stats: the layer's :class:`ConvStats`; ``inputs`` has shape ``(N, spatial..., C_in)``.
 
   Returns:
-    ``(N, H_out, W_out, C_in * k_h * k_w)``, features ordered channel-major ``(C_in, k_h, k_w)``
-    (the order of ``lax.conv_general_dilated_patches``); ``kernel_matrix`` matches it.
+    ``(N, out spatial..., C_in prod(k...))``. Features of a 2-D convolution are channel-major,
+    ``(C_in, k_h, k_w)`` (the order of ``lax.conv_general_dilated_patches``), those of 1-D and
+    3-D ones row-major, ``(k..., C_in)`` (the kernel's own order); ``Conv.kernel_matrix``
+    matches either.
   """
   x = stats.inputs
-  if tuple(stats.input_dilation) != (1, 1):
-    return jax.lax.conv_general_dilated_patches(
-        x, filter_shape=stats.kernel_size, window_strides=stats.strides,
-        padding=stats.padding, lhs_dilation=stats.input_dilation,
-        rhs_dilation=stats.kernel_dilation, dimension_numbers=("NHWC", "HWIO", "NHWC"))
-  (kh, kw), (sh, sw), (dh, dw) = stats.kernel_size, stats.strides, stats.kernel_dilation
-  span = ((kh - 1) * dh + 1, (kw - 1) * dw + 1)
+  nsp = x.ndim - 2
+  ks, strides = tuple(stats.kernel_size), tuple(stats.strides)
+  kdil = ones(stats.kernel_dilation, nsp)
+  idil = ones(stats.input_dilation, nsp)
+  span = tuple((k - 1) * d + 1 for k, d in zip(ks, kdil))
   pads = stats.padding
-  if isinstance(pads, str):
-    pads = jax.lax.padtype_to_pads(x.shape[1:3], span, (sh, sw), pads)
-  x = jnp.pad(x, ((0, 0), tuple(pads[0]), tuple(pads[1]), (0, 0)))
-  h_out = (x.shape[1] - span[0]) // sh + 1
-  w_out = (x.shape[2] - span[1]) // sw + 1
-  taps = [
-      jax.lax.slice(x, (0, i * dh, j * dw, 0),
-                    (x.shape[0], i * dh + (h_out - 1) * sh + 1,
-                     j * dw + (w_out - 1) * sw + 1, x.shape[3]),
-                    (1, sh, sw, 1))
-      for i in range(kh) for j in range(kw)
-  ]
-  patches = jnp.stack(taps, axis=-1)  # (N, H', W', C, k_h k_w): channel-major
-  return patches.reshape(patches.shape[:3] + (-1,))
+  if isinstance(pads, str):  # (lax allows string padding only without input dilation)
+    pads = jax.lax.padtype_to_pads(x.shape[1:-1], span, strides, pads)
+  x = jax.lax.pad(x, jnp.zeros((), x.dtype),
+                  ((0, 0, 0),) + tuple((int(lo), int(hi), d - 1)
+                                       for (lo, hi), d in zip(pads, idil)) + ((0, 0, 0),))
+  out = tuple((x.shape[1 + i] - span[i]) // strides[i] + 1 for i in range(nsp))
+  taps = []
+  for offsets in itertools.product(*(range(k) for k in ks)):
+    start = tuple(o * d for o, d in zip(offsets, kdil))
+    limit = tuple(b + (o - 1) * st + 1 for b, o, st in zip(start, out, strides))
+    taps.append(jax.lax.slice(x, (0,) + start + (0,), (x.shape[0],) + limit + (x.shape[-1],),
+                              (1,) + strides + (1,)))
+  if nsp == 2:  # (N, H', W', C, k_h k_w): channel-major
+    patches = jnp.stack(taps, axis=-1)
+    return patches.reshape(patches.shape[:3] + (-1,))
+  return jnp.concatenate(taps, axis=-1)  # (N, out..., prod(k) C): row-major
 
 
-def _pair(x: Any) -> tuple[int, ...]:
+def _settings(x: Any, nsp: int) -> tuple[int, ...]:
+  """A module's strides or dilation as one int per spatial dimension (Flax's broadcast)."""
   if x is None:
-    return (1, 1)
+    return (1,) * nsp
   if isinstance(x, int):
-    return (x, x)
+    return (x,) * nsp
   return tuple(int(v) for v in x)
 
 
-def _padding(padding: Any) -> tuple[Any, str]:
+def _padding(padding: Any, kernel_size: tuple[int, ...], kernel_dilation: tuple[int, ...],
+             input_dilation: tuple[int, ...]) -> tuple[Any, str]:
   """A module's padding as ``ConvStats.padding``, or ``(None, reason)``."""
+  nsp = len(kernel_size)
   if isinstance(padding, str):
-    if padding.upper() not in ("SAME", "VALID"):
-      return None, f"padding={padding!r} (SAME, VALID or explicit pads are supported)"
-    return padding.upper(), ""
-  if isinstance(padding, int):
-    return ((padding, padding),) * 2, ""
-  return tuple((p, p) if isinstance(p, int) else (int(p[0]), int(p[1])) for p in padding), ""
+    mode = padding.upper()
+    if mode in ("SAME", "SAME_LOWER", "VALID"):
+      return mode, ""
+    if mode == "CAUSAL" and nsp == 1 and input_dilation == (1,):
+      # Flax pads the input on the left by the dilated kernel's span, then runs VALID.
+      return (((kernel_size[0] - 1) * kernel_dilation[0], 0),), ""
+    return None, (f"padding={padding!r} (SAME, VALID, explicit pads and CAUSAL without input "
+                  "dilation are supported)")
+  try:
+    pads = linear.canonicalize_padding(padding, nsp)
+  except ValueError:
+    return None, f"padding={padding!r} (not a padding Flax accepts for {nsp} dimensions)"
+  return tuple((int(lo), int(hi)) for lo, hi in pads), ""
 
 
-def _check_subsample(spec: base.LayerSpec, sampling: ConvSampling, t: int) -> int:
-  s = sampling.num_positions
+def _check_subsample(spec: base.LayerSpec, sampling: ConvSampling,
+                     out_shape: tuple[int, ...]) -> int:
+  s, t = sampling.num_positions, int(np.prod(out_shape))
   if s > t:
     raise ValueError(
         f"conv layer {spec.name!r}: spatial_subsample keeps num_positions={s} positions per "
-        f"example, but its output has only T = H_out * W_out = {t}.")
+        f"example, but its output has only T = {' * '.join(map(str, out_shape))} = {t}.")
   return s
 
 
@@ -224,7 +284,8 @@ def _conv_positions(spec: base.LayerSpec, stats: ConvStats, patch_hw: tuple[int,
 
 
 class Conv(base.LayerKind):
-  """``nn.Conv`` / ``nnx.Conv`` with 2 spatial dimensions: a rank-4 HWIO ``kernel``."""
+  """``nn.Conv`` / ``nnx.Conv`` with 1, 2 or 3 spatial dimensions and any number of feature
+  groups: a kernel ``(k..., C_in / G, C_out)``."""
 
   name = "conv"
   stats_type = ConvStats
@@ -237,31 +298,34 @@ class Conv(base.LayerKind):
     del methods
     kernel_size = module.kernel_size
     kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
-    if len(kernel_size) != 2:
-      return base.Plan(None, f"{len(kernel_size)}-D convolution (only 2-D is supported)")
-    if module.feature_group_count != 1:
-      return base.Plan(None, f"feature_group_count={module.feature_group_count} (only 1 is "
-                       "supported)")
+    nsp = len(kernel_size)
+    if not 1 <= nsp <= 3:
+      return base.Plan(None, f"{nsp}-D convolution (1-D, 2-D and 3-D are supported)")
     if getattr(module, "mask", None) is not None:
       return base.Plan(None, "masked convolution")
-    padding, reason = _padding(module.padding)
+    kernel_dilation = _settings(module.kernel_dilation, nsp)
+    input_dilation = _settings(module.input_dilation, nsp)
+    padding, reason = _padding(module.padding, kernel_size, kernel_dilation, input_dilation)
     if padding is None:
       return base.Plan(None, reason)
-    if len(input_shape) < 4:
+    if len(input_shape) < nsp + 2:
       return base.Plan(None, f"conv input of shape {input_shape} has no batch axis")
     return base.Plan(dict(
-        kernel_size=tuple(int(k) for k in kernel_size), strides=_pair(module.strides),
-        padding=padding, input_dilation=_pair(module.input_dilation),
-        kernel_dilation=_pair(module.kernel_dilation)))
+        kernel_size=tuple(int(k) for k in kernel_size), strides=_settings(module.strides, nsp),
+        padding=padding, input_dilation=input_dilation, kernel_dilation=kernel_dilation,
+        feature_group_count=int(module.feature_group_count)))
 
   def make_stats(self, inputs, cotangents, **meta) -> ConvStats:
     # Fold any extra leading batch axes into N (flax convs accept them).
-    inputs = inputs.reshape((-1,) + inputs.shape[-3:])
-    cotangents = cotangents.reshape((cotangents.shape[0], -1) + cotangents.shape[-3:])
+    k = len(meta["kernel_size"]) + 1
+    inputs = inputs.reshape((-1,) + inputs.shape[-k:])
+    cotangents = cotangents.reshape((cotangents.shape[0], -1) + cotangents.shape[-k:])
     return ConvStats(inputs=inputs, cotangents=cotangents, **meta)
 
   def claim(self, path: tuple[str, ...],
             shapes: Mapping[str, tuple[int, ...]]) -> Optional[base.Claim]:
+    """From shapes alone: a rank-4 kernel, a 2-D convolution with one group (see the module
+    docstring for other ranks and grouped convolutions)."""
     del path
     kernel = shapes.get("kernel")
     if kernel is None or len(kernel) != 4 or not base.bias_fits(shapes, kernel[-1:]):
@@ -269,30 +333,72 @@ class Conv(base.LayerKind):
     has_bias = shapes.get("bias") == (kernel[-1],)
     return base.Claim(a_dim=int(np.prod(kernel[:-1])) + int(has_bias), g_dim=kernel[-1])
 
+  def claim_captured(self, path, shapes, hint) -> Optional[base.Claim]:
+    """With the capture's ``(spatial dimensions, feature groups)``: a kernel of rank
+    ``spatial + 2``, bias or not; ``groups`` Kronecker pairs (``Claim.groups``) of dimensions
+    ``prod(k...) C_in / G (+1)`` and ``C_out / G``. ``in_axes`` is a ``DenseGeneral``'s for
+    1-D and 3-D kernels (their layout coincides with one), ``None`` in 2-D (as :meth:`claim`)."""
+    del path
+    num_spatial, groups = hint
+    kernel = shapes.get("kernel")
+    if kernel is None or len(kernel) != num_spatial + 2 or not set(shapes) <= {"kernel", "bias"}:
+      return None
+    if not base.bias_fits(shapes, kernel[-1:]) or kernel[-1] % groups:
+      return None
+    return base.Claim(a_dim=int(np.prod(kernel[:-1])) + int("bias" in shapes),
+                      g_dim=kernel[-1] // groups,
+                      in_axes=None if num_spatial == 2 else len(kernel) - 1, groups=groups)
+
+  def hint(self, stats: ConvStats) -> tuple:
+    return (len(stats.kernel_size), int(stats.feature_group_count))
+
+  def split_groups(self, tree, groups, axis):
+    """The channels split into the groups (the default), and the statistics of one group
+    marked as an ungrouped convolution."""
+    out = super().split_groups(tree, groups, axis)
+    if isinstance(out, ConvStats):
+      out = dataclasses.replace(out, feature_group_count=1)
+    return out
+
   def check_stats(self, spec, stats) -> None:
     super().check_stats(spec, stats)
+    nsp = len(spec.kernel_shape) - 2
+    if len(stats.kernel_size) != nsp or stats.feature_group_count != 1:
+      raise ValueError(
+          f"{dense.where(spec)}: the capture took a {len(stats.kernel_size)}-D convolution "
+          f"with feature_group_count={stats.feature_group_count}, but the optimizer laid the "
+          f"layer out from its parameter shapes alone as a {nsp}-D convolution with one group"
+          f"{f' stack {spec.stack}' if spec.stack else ''} (shapes do not show the number of "
+          "groups or of spatial dimensions). Give the optimizer the capture's layout: "
+          "layers=thor_optax.captured_layers(stats), with stats from jax.eval_shape of the "
+          "capture.")
     dense.check_cotangents(spec, stats)
-    c_in = spec.kernel_shape[2]
-    if stats.inputs.ndim != 4:
-      raise ValueError(f"{dense.where(spec)}: inputs must be (N, H, W, {c_in}), got shape "
-                       f"{stats.inputs.shape}.")
-    if tuple(stats.kernel_size) != tuple(spec.kernel_shape[:2]):
+    c_in = spec.kernel_shape[-2]
+    if stats.inputs.ndim != nsp + 2:
+      raise ValueError(f"{dense.where(spec)}: inputs must be (N, {nsp} spatial axes, {c_in}), "
+                       f"got shape {stats.inputs.shape}.")
+    if tuple(stats.kernel_size) != tuple(spec.kernel_shape[:nsp]):
       raise ValueError(f"{dense.where(spec)}: kernel_size {stats.kernel_size} does not match "
                        "the kernel.")
     dense.check_inputs(spec, stats, c_in)
 
   def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
-    """``(k_h, k_w, C_in, C_out)`` -> ``(C_in k_h k_w, C_out)``, the order of :func:`conv_patches`."""
-    return jnp.transpose(kernel, (2, 0, 1, 3)).reshape(-1, kernel.shape[-1])
+    """The kernel as a ``(d_in, C_out)`` matrix in the order of :func:`conv_patches`: 2-D
+    ``(k_h, k_w, C_in, C_out)`` -> ``(C_in k_h k_w, C_out)``; 1-D / 3-D: row-major."""
+    if kernel.ndim == 4:
+      return jnp.transpose(kernel, (2, 0, 1, 3)).reshape(-1, kernel.shape[-1])
+    return kernel.reshape(-1, kernel.shape[-1])
 
   def kernel_from_matrix(self, matrix: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    if len(shape) != 4:
+      return matrix.reshape(shape)
     kh, kw, cin, cout = shape
     return jnp.transpose(matrix.reshape(cin, kh, kw, cout), (1, 2, 0, 3))
 
   def input_rows(self, spec, stats, dtype, *, sampling=None, key=None) -> base.FactorRows:
     """Rows of ``A``: ``'expand'`` ``(N T, d)`` and ``1 / N``; ``'reduce_sum'`` ``(N, d)``
     (summed patches, bias entry ``T``) and ``1 / (N T)``; ``'spatial_subsample'`` ``(N s, d)``
-    and ``T / (N s)``, with ``d = C_in k_h k_w (+1)``.
+    and ``T / (N s)``, with ``d = C_in prod(k...) (+1)`` (of one group, per group).
 
     Raises:
       ValueError: if ``'spatial_subsample'`` asks for more positions than the output has, or the
@@ -305,14 +411,14 @@ class Conv(base.LayerKind):
       rows = patches.reshape(-1, patches.shape[-1]).astype(dtype)
       rows = dense.with_ones(rows) if spec.has_bias else rows
       return base.FactorRows(rows, jnp.asarray(1.0 / n, dtype))
-    t = _conv_positions(spec, stats, patches.shape[1:3])
+    t = _conv_positions(spec, stats, patches.shape[1:-1])
     x = patches.reshape(n, t, patches.shape[-1]).astype(dtype)
     if sampling.mode == "reduce_sum":
       rows = jnp.sum(x, axis=1)
       if spec.has_bias:
         rows = jnp.concatenate([rows, jnp.full_like(rows[:, :1], t)], axis=1)
       return base.FactorRows(rows, jnp.asarray(1.0 / (n * t), dtype))
-    s = _check_subsample(spec, sampling, t)
+    s = _check_subsample(spec, sampling, patches.shape[1:-1])
     idx = subsample_positions(key, n, t, s)
     rows = jnp.take_along_axis(x, idx[:, :, None], axis=1).reshape(n * s, x.shape[-1])
     rows = dense.with_ones(rows) if spec.has_bias else rows
@@ -332,7 +438,7 @@ class Conv(base.LayerKind):
     if sampling.mode == "reduce_sum":
       rows = explicit.flatten_rows(jnp.sum(g, axis=2))
       return base.FactorRows(rows, jnp.asarray(1.0 / (n * t), dtype))
-    s = _check_subsample(spec, sampling, t)
+    s = _check_subsample(spec, sampling, stats.cotangents.shape[2:-1])
     idx = subsample_positions(key, n, t, s)
     rows = explicit.flatten_rows(jnp.take_along_axis(g, idx[None, :, :, None], axis=2))
     return base.FactorRows(rows, jnp.asarray(1.0 / (n * s), dtype))
