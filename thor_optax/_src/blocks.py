@@ -215,8 +215,9 @@ def build_layout(tree: Any, block_size: Optional[int],
     copies = math.prod(stack)
     a = slot(claim.a_dim, copies)
     specs.append(layers_lib.LayerSpec(path, kind, tuple(sorted(per_layer.items())), a,
-                                      slot(claim.g_dim, copies), stack, claim.in_axes,
-                                      claim.groups, () if hint is None else tuple(hint[1])))
+                                      slot(claim.g_dim, copies), stack, in_axes=claim.in_axes,
+                                      groups=claim.groups,
+                                      hint=() if hint is None else tuple(hint[1])))
   groups = {group_key(b, r): (b, n) for (b, r), n in sorted(counts.items())}
   ranks = {group_key(b, r): r for (b, r) in sorted(counts) if r}
   return BlockLayout(tuple(specs), groups, block_size, ranks)
