@@ -23,6 +23,8 @@ import thor_optax.flax
 import reference
 from reference import float64_mode, randn, softmax_ce, squared_error  # pylint: disable=unused-import
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 N, T, D, K = 4, 5, 6, 3
 DAMPING = 0.01
 
@@ -37,7 +39,8 @@ class Seq(nn.Module):
 
 def _update(model, loss_fn, params, x, y, tx, **capture_kwargs):
   (_, grads), stats = reference.capture(model, loss_fn, **capture_kwargs)(params, x, y)
-  updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+  updates, _ = jax.jit(lambda g, p, s: tx.update(g, tx.init(p), p, curvature_stats=s))(
+      grads, params, stats)
   return updates, stats
 
 
