@@ -119,7 +119,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -154,9 +153,6 @@ SECOND_ORDER = ("thor", "kfac-expand", "kfac-reduce")
 OPTIMIZERS = SECOND_ORDER + ("adamw", "muon")
 # The capture's weight-sharing option of each second-order optimizer (None: the default).
 WEIGHT_SHARING = {"thor": None, "kfac-expand": "expand", "kfac-reduce": "reduce"}
-
-# The capture label of a run that asked for weight_sharing where thor_optax lacks the option.
-FALLBACK_CAPTURE = "default (weight_sharing unavailable)"
 
 DEFAULT_STEPS = 300
 # Validation-loss targets, bits per character.
@@ -334,18 +330,13 @@ def loss_fn(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def make_capture(model: nn.Module, weight_sharing: Optional[str]) -> tuple[Callable, str]:
   """``value_and_grad_with_stats`` of ``model`` with the weight-sharing option, and its label.
 
-  ``weight_sharing`` (``'expand'`` / ``'reduce'``) is passed to the capture when the installed
-  ``thor_optax`` accepts it; otherwise (and for ``None``) the default capture is used, with a
-  warning in the first case. The label says which capture was used.
+  ``weight_sharing`` is ``'expand'``, ``'reduce'`` or ``None`` for the capture's default
+  (``'auto'``: expand here, as the loss has a term per position).
   """
   capture_fn = thor_optax.flax.value_and_grad_with_stats
   if weight_sharing is None:
-    return capture_fn(model, loss_fn), "default"
-  if "weight_sharing" in inspect.signature(capture_fn).parameters:
-    return capture_fn(model, loss_fn, weight_sharing=weight_sharing), weight_sharing
-  warnings.warn(f"thor_optax.flax.value_and_grad_with_stats has no weight_sharing option yet: "
-                f"'{weight_sharing}' runs with the default capture", stacklevel=2)
-  return capture_fn(model, loss_fn), FALLBACK_CAPTURE
+    return capture_fn(model, loss_fn), "auto"
+  return capture_fn(model, loss_fn, weight_sharing=weight_sharing), weight_sharing
 
 
 # ------------------------------------------------------------------------------------------------
@@ -686,7 +677,7 @@ def print_tables(records: list, meta: dict) -> None:
   for r in records:
     rows.append([
         r["optimizer"], f"{r['learning_rate']:g}", _fmt(r["damping"], "g"),
-        "default*" if r["capture"] == FALLBACK_CAPTURE else (r["capture"] or "-"),
+        r["capture"] or "-",
         _fmt(r["preconditioned_fraction"], ".1%"),
         f"{r['tokens_per_s']:,.0f}", f"{r['mean_ms_per_step']:.1f}",
         _fmt(r["x_adamw_ms"], ".2f"), _fmt(r["x_muon_ms"], ".2f"),
@@ -718,9 +709,6 @@ def print_tables(records: list, meta: dict) -> None:
         f"below x\n(training seconds); AdamW: its final validation loss"
         + (f" ({reference:.3f})" if reference is not None else "")
         + "; time x AdamW / Muon: seconds to that loss over AdamW's / Muon's.")
-  if any(r["capture"] == FALLBACK_CAPTURE for r in records):
-    print("default*: weight_sharing='expand' / 'reduce' asked for, but this thor_optax's "
-          "value_and_grad_with_stats has no such option: the default capture ran.")
   unhandled = next((r["unhandled"] for r in records if r["unhandled"]), [])
   if unhandled:
     print("not preconditioned (the capture's unhandled list): " + "; ".join(unhandled))

@@ -32,6 +32,8 @@ from thor_optax._src import blocks
 import reference
 from reference import float64_mode, init_params, randn, softmax_ce  # pylint: disable=unused-import
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 L = 3
 
 
@@ -72,12 +74,17 @@ def _unrolled_params(scanned):
 
 def _train(model, params, tx, x, y, steps=2):
   capture = reference.capture(model, softmax_ce)
-  state = tx.init(params)
-  for _ in range(steps):
+
+  @jax.jit
+  def step(params, state):
     (_, grads), stats = capture(params, x, y)
     assert stats.unhandled == ()
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    params = jax.tree.map(lambda p, u: p + u, params, updates)
+    return jax.tree.map(lambda p, u: p + u, params, updates), state
+
+  state = tx.init(params)
+  for _ in range(steps):
+    params, state = step(params, state)
   return params, state
 
 
