@@ -113,7 +113,8 @@ def worker(num_devices: int, repeats: int) -> dict:
     # block), inverted as a check step does it, whole or split over the devices
     # (``linalg.on_shards``), the results gathered back to every device.
     group = blocks.group_key(BLOCK)
-    stack = jax.device_put(jnp.linalg.inv(state[0].blocks[group]["inverse"].inverse), rep)
+    kron = optax.tree_utils.tree_get(state, "blocks")
+    stack = jax.device_put(jnp.linalg.inv(kron[group]["inverse"].inverse), rep)
     sharding = batch if mode == "distributed" else None
     on_shards = linalg.on_shards
     invert = jax.jit(lambda s: on_shards(linalg.cholesky_inverse, sharding, s),

@@ -180,3 +180,12 @@ def assert_orbax_round_trip(tree, target, directory):
 
 # XLA options for steps compiled once in a test: compile several times faster, run slower.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+def kronecker_state(opt_state):
+  """The first ``thor_optax.KroneckerState`` in an optimizer state (an alias's is inside its
+  ``skip_not_finite`` guard and its chain), or ``None``."""
+  import thor_optax  # pylint: disable=import-outside-toplevel
+  is_kron = lambda x: isinstance(x, thor_optax.KroneckerState)
+  return next((x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_kron) if is_kron(x)),
+              None)

@@ -626,6 +626,12 @@ def alias_data():
   return params, grads, stats, halves
 
 
+def _poison(grads, value):
+  """``grads`` with ``value`` (NaN, Inf) in one entry of the last layer's kernel."""
+  return {**grads, "Dense_1": {**grads["Dense_1"],
+                               "kernel": grads["Dense_1"]["kernel"].at[0, 1].set(value)}}
+
+
 def _mask(params):
   return {layer: jax.tree.map(lambda _, keep=layer != "Dense_0": keep, sub)
           for layer, sub in params.items()}
@@ -654,6 +660,21 @@ def _wrapped_runs(name, params, grads, stats, halves):
                                  curvature_stats=thor_optax.concatenate_stats(st_a, st_b))
     out["multi"] = (first, second, state)
     out["masked"] = masked.update(grads, masked.init(params), params, curvature_stats=stats)
+    # Non-finite steps after the check step: a NaN gradient on a plain step, an Inf on a check
+    # step, a NaN learning rate; then a clean plain step. Without the guard: the NaN reaches
+    # the update.
+    _, s1 = out["plain"][:2]
+    nan_grads = _poison(grads, jnp.nan)
+    bad_plain = tx.update(nan_grads, s1, params)
+    bad_check = tx.update(_poison(grads, jnp.inf), s1, params, curvature_stats=stats)
+    after = tx.update(grads, bad_check[1], params)
+    _, is1 = out["inject"][:2]
+    nan_lr = is1._replace(hyperparams={**is1.hyperparams,
+                                       "learning_rate": jnp.asarray(jnp.nan, F64)})
+    bad_lr = inject.update(grads, nan_lr, params)
+    bare = factory(LR, LAM, skip_not_finite=False, **settings)
+    out["not_finite"] = (bad_plain, bad_check, after, bad_lr,
+                         bare.update(nan_grads, bare.init(params), params)[0])
     return out
 
   return _jitted(run, params, grads, stats, g_a, g_b, st_a, st_b)
@@ -661,7 +682,8 @@ def _wrapped_runs(name, params, grads, stats, halves):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_alias_in_jit_optax_wrappers_and_checkpoints(name, alias_data, tmp_path):
-  """(a) jit equals eager; (b) inject_hyperparams; (c) MultiSteps; (d) masked; (e) orbax.
+  """(a) jit equals eager; (b) inject_hyperparams; (c) MultiSteps; (d) masked; (e) orbax;
+  (f) non-finite steps skipped.
 
   One test per alias: its runs share one compilation, which dominates the cost, and pytest-xdist
   would compile it again on every worker that ran a part of them.
@@ -730,6 +752,24 @@ def test_alias_in_jit_optax_wrappers_and_checkpoints(name, alias_data, tmp_path)
     target = jax.eval_shape(_make(name).init, params)
     assert_orbax_round_trip(s2, target, tmp_path / "state")
 
+  with check("(f) a non-finite gradient or update changes nothing, and is counted"):
+    bad_plain, bad_check, after, bad_lr, bare = runs["not_finite"]
+    for updates, state in (bad_plain, bad_check):
+      assert all(not np.any(leaf) for leaf in jax.tree.leaves(updates))
+      assert isinstance(state, optax.ApplyIfFiniteState)
+      assert (int(state.total_notfinite), int(state.notfinite_count)) == (1, 1)
+      assert not bool(state.last_finite)
+      _assert_trees_close(state.inner_state, s1.inner_state, rtol=0, atol=0)
+    # The clean step after a skipped one is the plain step that would have come without it.
+    _assert_trees_close(after[0], u2, rtol=0, atol=0)
+    assert (int(after[1].total_notfinite), int(after[1].notfinite_count)) == (1, 0)
+    _, is1 = runs["inject"][:2]
+    assert all(not np.any(leaf) for leaf in jax.tree.leaves(bad_lr[0]))
+    _assert_trees_close(bad_lr[1].inner_state.inner_state, is1.inner_state.inner_state,
+                        rtol=0, atol=0)
+    assert int(bad_lr[1].inner_state.total_notfinite) == 1
+    assert np.isnan(np.asarray(bare["Dense_1"]["kernel"])).any()  # what the guard stops
+
   check.assert_all_passed()
 
 
@@ -750,7 +790,7 @@ def bf16_data(alias_data):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_alias_bfloat16_parameters(name, bf16_data):
-  """(f) bfloat16 parameters: finite bfloat16 updates and a float32 curvature state."""
+  """(g) bfloat16 parameters: finite bfloat16 updates and a float32 curvature state."""
   params, grads, stats = bf16_data
   assert {x.dtype for x in jax.tree.leaves((params, grads, stats.layers))} == {jnp.dtype(BF16)}
   with jax.enable_x64(False):

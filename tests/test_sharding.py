@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import distributed_setup as setup
 import thor_optax
+import reference
 from reference import inverse_blocks
 
 # Data-parallel sums run in another order than one device's: equal up to float32 rounding.
@@ -42,7 +43,7 @@ def _assert_same_params(got, want):
 def test_data_parallel_equals_single_device(mesh, single_device):
   params, state = setup.train(mesh)
   _assert_same_params(params, single_device[0])
-  inner = state[0]
+  inner = reference.kronecker_state(state)
   assert int(inner.diagnostics["Dense_0"].total_refreshes) == 2 * 12  # two checks, 10 + 2 blocks
   assert inverse_blocks(inner)["b16"].sharding.is_fully_replicated
 
@@ -92,11 +93,11 @@ def test_distributed_inversion_divides_the_work(mesh):
 def test_distributed_inversion_equals_single_device(mesh, single_device, block_axis):
   params, state = setup.train(mesh, block_axis=block_axis, distribute_inversion=True)
   _assert_same_params(params, single_device[0])
-  inv = inverse_blocks(state[0])["b16"]
+  inv = inverse_blocks(reference.kronecker_state(state))["b16"]
   want = (16, 16, 16) if block_axis is None else (4, 16, 16)  # MEM-OPT: a quarter per device
   assert inv.sharding.shard_shape(inv.shape) == want
-  assert inverse_blocks(state[0])["b4"].sharding.is_fully_replicated  # 2 blocks: not divisible by 4
-  np.testing.assert_allclose(np.asarray(inv), np.asarray(inverse_blocks(single_device[1][0])["b16"]),
+  assert inverse_blocks(reference.kronecker_state(state))["b4"].sharding.is_fully_replicated  # 2 blocks: not divisible by 4
+  np.testing.assert_allclose(np.asarray(inv), np.asarray(inverse_blocks(reference.kronecker_state(single_device[1]))["b16"]),
                              **F32)
 
 

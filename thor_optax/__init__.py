@@ -7,7 +7,10 @@ Public API (import from here, ``thor_optax.flax`` or ``thor_optax.nnx``; never f
   statistics go in as ``update(..., curvature_stats=stats)``); the inversion methods, conv
   statistics and refresh policies of THOR, SKFAC, KAISA and SP-NGD are their options.
 * ``thor``, ``kfac``, ``skfac``, ``kaisa``, ``spngd``: full optimizers (preconditioner, then
-  weight decay and momentum SGD, or SP-NGD's weight rescaling).
+  weight decay and momentum SGD, or SP-NGD's weight rescaling), each inside
+  ``skip_not_finite``.
+* ``skip_not_finite``: a step whose gradient or update is not finite changes nothing (counted
+  in an ``optax.ApplyIfFiniteState``).
 * ``scale_by_kl_clip``: KAISA's KL clip around a preconditioner.
 * ``rescale_weight_norms``: SP-NGD's cap of kernel norms at ``sqrt(2 d_out)``.
 * ``kronecker_state_sharding``: shardings of the curvature state on a device mesh (replicated,
@@ -53,6 +56,7 @@ from thor_optax._src.layers import unregister_layer_kind
 from thor_optax._src.layers.base import LayerKind
 from thor_optax._src.micro_batches import concatenate_stats
 from thor_optax._src.kl_clip import scale_by_kl_clip
+from thor_optax._src.finite import skip_not_finite
 from thor_optax._src.stats import DenseGeneralStats
 from thor_optax._src.stats import DenseStats
 from thor_optax._src.stats import EinsumStats
@@ -93,6 +97,7 @@ __all__ = (
     "scale_by_kl_clip",
     "scale_by_thor",
     "skfac",
+    "skip_not_finite",
     "spngd",
     "thor",
     "thor_damping_schedule",

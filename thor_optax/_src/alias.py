@@ -4,7 +4,9 @@ THOR's order (MindSpore ``nn/optim/thor.py``, ``construct``): precondition the g
 weight decay to the *preconditioned* gradient, then momentum SGD (``ApplyMomentum``). SKFAC and
 KAISA keep that order (KAISA scales the preconditioned gradient by its KL clip first); SP-NGD
 replaces weight decay by rescaling the weights after the step. Everything after the
-preconditioner is optax's own.
+preconditioner is optax's own. The whole chain sits inside :func:`finite.skip_not_finite`: a
+step whose gradient or update is not finite (a NaN in the data, a NaN learning rate or damping
+from a schedule) returns zero updates and leaves momentum and curvature state as they were.
 
 References:
   Chen et al., "THOR", AAAI 2021; MindSpore ResNet-50 THOR recipe (polynomial learning-rate
@@ -23,6 +25,7 @@ from typing import Any, Callable, Optional, Union
 
 import optax
 
+from thor_optax._src import finite
 from thor_optax._src import kl_clip
 from thor_optax._src import transform
 from thor_optax._src import weight_rescaling
@@ -35,6 +38,12 @@ def _first_order_tail(learning_rate: ScalarOrSchedule, momentum: float, nesterov
   # No Python branching on the numbers: optax.inject_hyperparams passes them in as arrays.
   return [optax.add_decayed_weights(weight_decay, mask=weight_decay_mask),
           optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)]
+
+
+def _guarded(skip: bool, tx: optax.GradientTransformationExtraArgs
+             ) -> optax.GradientTransformationExtraArgs:
+  """``tx`` inside :func:`finite.skip_not_finite` if ``skip``."""
+  return finite.skip_not_finite(tx) if skip else tx
 
 
 def _masked(pre: optax.GradientTransformation, mask: Any) -> optax.GradientTransformation:
@@ -60,6 +69,7 @@ def thor(
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     layers: Optional[Any] = None,
+    skip_not_finite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """THOR: :func:`scale_by_thor`, then weight decay, then momentum SGD.
 
@@ -83,6 +93,9 @@ def thor(
     layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
       layers it takes, as it takes them: attention projections without bias, einsums);
       ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
+    skip_not_finite: a step whose gradient or update has a NaN or an Inf returns zero updates
+      and leaves the whole state (momentum, curvature) unchanged, counted in the state's
+      ``optax.ApplyIfFiniteState`` (:func:`thor_optax.skip_not_finite`); ``False``: no check.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` to ``update`` on
@@ -91,12 +104,12 @@ def thor(
   Raises:
     ValueError: as :func:`scale_by_thor`.
   """
-  return optax.chain(
+  return _guarded(skip_not_finite, optax.chain(
       _masked(transform.scale_by_thor(
           damping, block_size=block_size, trace_thresholds=trace_thresholds, ema_decay=ema_decay,
           pi_damping=pi_damping, inverse_method=inverse_method, block_sharding=block_sharding,
           axis_name=axis_name, layers=layers), precondition_mask),
-      *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
+      *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask)))
 
 
 def kfac(
@@ -116,6 +129,7 @@ def kfac(
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     layers: Optional[Any] = None,
+    skip_not_finite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC: :func:`scale_by_kfac`, then weight decay, then momentum SGD.
 
@@ -134,6 +148,9 @@ def kfac(
     layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
       layers it takes, as it takes them: attention projections without bias, einsums);
       ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
+    skip_not_finite: a step whose gradient or update has a NaN or an Inf returns zero updates
+      and leaves the whole state (momentum, curvature) unchanged, counted in the state's
+      ``optax.ApplyIfFiniteState`` (:func:`thor_optax.skip_not_finite`); ``False``: no check.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -141,12 +158,12 @@ def kfac(
   Raises:
     ValueError: as :func:`scale_by_kfac`.
   """
-  return optax.chain(
+  return _guarded(skip_not_finite, optax.chain(
       _masked(transform.scale_by_kfac(
           damping, ema_decay=ema_decay, block_size=block_size, pi_damping=pi_damping,
           inverse_method=inverse_method, inverse_period=inverse_period,
           block_sharding=block_sharding, axis_name=axis_name, layers=layers), precondition_mask),
-      *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
+      *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask)))
 
 
 def skfac(
@@ -167,6 +184,7 @@ def skfac(
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     layers: Optional[Any] = None,
+    skip_not_finite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """SKFAC: current-batch factors inverted by Woodbury where they are low-rank, then momentum SGD.
 
@@ -195,6 +213,9 @@ def skfac(
     layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
       layers it takes, as it takes them: attention projections without bias, einsums);
       ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
+    skip_not_finite: a step whose gradient or update has a NaN or an Inf returns zero updates
+      and leaves the whole state (momentum, curvature) unchanged, counted in the state's
+      ``optax.ApplyIfFiniteState`` (:func:`thor_optax.skip_not_finite`); ``False``: no check.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` on check steps.
@@ -202,13 +223,13 @@ def skfac(
   Raises:
     ValueError: as :func:`scale_by_kfac`.
   """
-  return optax.chain(
+  return _guarded(skip_not_finite, optax.chain(
       _masked(transform.scale_by_kfac(
           damping, ema_decay=None, block_size=block_size, inverse_method=inverse_method,
           conv_statistics=conv_statistics, spatial_samples=spatial_samples,
           subsample_key=subsample_key, woodbury_rows=woodbury_rows,
           block_sharding=block_sharding, axis_name=axis_name, layers=layers), precondition_mask),
-      *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
+      *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask)))
 
 
 def kaisa(
@@ -227,6 +248,7 @@ def kaisa(
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     layers: Optional[Any] = None,
+    skip_not_finite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """KAISA: running-average factors, eigendecompositions every ``inverse_period`` steps, KL clip.
 
@@ -252,6 +274,9 @@ def kaisa(
     layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
       layers it takes, as it takes them: attention projections without bias, einsums);
       ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
+    skip_not_finite: a step whose gradient or update has a NaN or an Inf returns zero updates
+      and leaves the whole state (momentum, curvature) unchanged, counted in the state's
+      ``optax.ApplyIfFiniteState`` (:func:`thor_optax.skip_not_finite`); ``False``: no check.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -264,9 +289,9 @@ def kaisa(
                                 block_sharding=block_sharding, axis_name=axis_name, layers=layers)
   if max_kl is not None:
     pre = kl_clip.scale_by_kl_clip(pre, learning_rate, max_kl)
-  return optax.chain(
+  return _guarded(skip_not_finite, optax.chain(
       _masked(pre, precondition_mask),
-      *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask))
+      *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask)))
 
 
 def spngd(
@@ -284,6 +309,7 @@ def spngd(
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     layers: Optional[Any] = None,
+    skip_not_finite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """SP-NGD: pi-damped K-FAC with adaptive refresh, unit-wise normalization layers, rescaling.
 
@@ -313,6 +339,9 @@ def spngd(
     layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
       layers it takes, as it takes them: attention projections without bias, einsums);
       ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
+    skip_not_finite: a step whose gradient or update has a NaN or an Inf returns zero updates
+      and leaves the whole state (momentum, curvature) unchanged, counted in the state's
+      ``optax.ApplyIfFiniteState`` (:func:`thor_optax.skip_not_finite`); ``False``: no check.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -323,12 +352,12 @@ def spngd(
   tail = [optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)]
   if rescale_weights:
     tail.append(weight_rescaling.rescale_weight_norms())
-  return optax.chain(
+  return _guarded(skip_not_finite, optax.chain(
       _masked(transform.scale_by_kfac(
           damping, ema_decay=ema_decay, block_size=block_size, pi_damping=True,
           adaptive_refresh=adaptive_refresh, max_refresh_interval=max_refresh_interval,
           block_sharding=block_sharding, axis_name=axis_name, layers=layers), precondition_mask),
-      *tail)
+      *tail))
 
 
 def thor_learning_rate_schedule(init_value: float, decay_steps: int, power: float,

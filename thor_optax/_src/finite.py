@@ -1,0 +1,75 @@
+"""``skip_not_finite``: a step whose gradient or update is not finite changes nothing.
+
+``optax.apply_if_finite`` skips a step whose *gradient* has a NaN or an Inf, and gives up after
+``max_consecutive_errors`` such steps. A second-order optimizer can also turn a finite gradient
+into a non-finite update (a NaN learning rate or damping from a schedule, an inverse that
+overflowed), so this wrapper runs the inner update, then keeps its result only if the gradient
+and the update are both finite; otherwise it returns zero updates and the inner state as it was
+(momentum, curvature blocks, counts), and never gives up. Its state is optax's own
+``ApplyIfFiniteState``, so the counters read as they do under ``optax.apply_if_finite``.
+
+Every alias of this package (``thor``, ``kfac``, ``skfac``, ``kaisa``, ``spngd``) wraps its
+chain in it unless built with ``skip_not_finite=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Bool scalar: every entry of every inexact leaf of ``tree`` is finite (True if none)."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def skip_not_finite(inner: optax.GradientTransformation
+                    ) -> optax.GradientTransformationExtraArgs:
+  """Wraps ``inner`` so that a step with a non-finite gradient or update changes nothing.
+
+  Args:
+    inner: any optax transformation (extra arguments such as ``curvature_stats=`` are passed
+      through to it).
+
+  Returns:
+    an ``optax.GradientTransformationExtraArgs`` whose state is ``optax.ApplyIfFiniteState``:
+    ``notfinite_count`` (int32 scalar: consecutive skipped steps, 0 after an accepted one),
+    ``last_finite`` (bool scalar: whether the last step was accepted), ``total_notfinite``
+    (int32 scalar: skipped steps in all) and ``inner_state``. A skipped step returns updates of
+    zeros (shapes and dtypes of the gradient) and ``inner_state`` unchanged.
+
+  Unlike ``optax.apply_if_finite`` the update is checked too, and the wrapper never gives up:
+  read ``notfinite_count`` (e.g. ``optax.tree_utils.tree_get(opt_state, 'notfinite_count')``)
+  to stop a run whose steps keep failing.
+
+  Source: ``optax.apply_if_finite`` (its state and semantics), extended to the update.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return optax.ApplyIfFiniteState(
+        notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.asarray(True),
+        total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+    finite = all_finite(updates) & all_finite(new_updates)
+    # select(p, x, x) folds to x under jit: leaves the step left alone cost nothing here.
+    # (lax.select keeps typed PRNG keys; jnp.where would turn them into their key data.)
+    inner_state = jax.tree_util.tree_map(lambda new, old: jax.lax.select(finite, new, old),
+                                         new_inner, state.inner_state)
+    new_updates = jax.tree_util.tree_map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)),
+                                         new_updates)
+    return new_updates, optax.ApplyIfFiniteState(
+        notfinite_count=jnp.where(finite, 0, optax.safe_int32_increment(state.notfinite_count)),
+        last_finite=finite,
+        total_notfinite=jnp.where(finite, state.total_notfinite,
+                                  optax.safe_int32_increment(state.total_notfinite)),
+        inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
