@@ -52,7 +52,7 @@ Targets. The defaults are 0.92, 0.95 and 0.96 for ``mlp`` and 0.95, 0.96 and 0.9
 0.96 as not reached; 0.92 is the MLP target that separates the optimizers here.
 
 Run (all defaults: THOR, SGD, Adam and Muon on ``mlp`` and ``cnn``, 2 min 22 s on a quiet
-2-core CPU; ``--all``: every task and optimizer, about 12 minutes)::
+2-core CPU; ``--all``: every task and optimizer, about 10 minutes before Muon was added)::
 
   python3 benchmarks/mnist.py --out results.json --plot mnist.png
   python3 benchmarks/mnist.py --all
