@@ -139,18 +139,7 @@ def kfac(
     momentum, nesterov, weight_decay, weight_decay_mask: as :func:`thor`.
     ema_decay, block_size, pi_damping, inverse_method, inverse_period: see
       :func:`scale_by_kfac` (``kfac(..., inverse_method='eigh')`` is KAISA without KL clip).
-    block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
-    axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
-      curvature statistics across replicas; see :func:`scale_by_thor`.
-    precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
-      others skip the preconditioner (no Kronecker blocks in the state) and only take the
-      steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
-    layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
-      layers it takes, as it takes them: attention projections without bias, einsums);
-      ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
-    skip_not_finite: a step whose gradient or update has a NaN or an Inf returns zero updates
-      and leaves the whole state (momentum, curvature) unchanged, counted in the state's
-      ``optax.ApplyIfFiniteState`` (:func:`thor_optax.skip_not_finite`); ``False``: no check.
+    block_sharding, axis_name, precondition_mask, layers, skip_not_finite: as :func:`thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -204,18 +193,7 @@ def skfac(
       replicas together), to keep the low-rank factors in Woodbury form in the state: less
       memory than dense inverses, and cheaper steps (see :func:`scale_by_thor`); ``None``
       stores dense inverses.
-    block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
-    axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
-      curvature statistics across replicas; see :func:`scale_by_thor`.
-    precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
-      others skip the preconditioner (no Kronecker blocks in the state) and only take the
-      steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
-    layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
-      layers it takes, as it takes them: attention projections without bias, einsums);
-      ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
-    skip_not_finite: a step whose gradient or update has a NaN or an Inf returns zero updates
-      and leaves the whole state (momentum, curvature) unchanged, counted in the state's
-      ``optax.ApplyIfFiniteState`` (:func:`thor_optax.skip_not_finite`); ``False``: no check.
+    block_sharding, axis_name, precondition_mask, layers, skip_not_finite: as :func:`thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` on check steps.
@@ -265,18 +243,7 @@ def kaisa(
     inverse_period: steps between eigendecompositions (int or schedule).
     max_kl: KL-clip bound ``kappa``, or ``None`` for no clipping.
     block_size: ``None`` (whole factors) or THOR's split size.
-    block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
-    axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
-      curvature statistics across replicas; see :func:`scale_by_thor`.
-    precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
-      others skip the preconditioner (no Kronecker blocks in the state) and only take the
-      steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
-    layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
-      layers it takes, as it takes them: attention projections without bias, einsums);
-      ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
-    skip_not_finite: a step whose gradient or update has a NaN or an Inf returns zero updates
-      and leaves the whole state (momentum, curvature) unchanged, counted in the state's
-      ``optax.ApplyIfFiniteState`` (:func:`thor_optax.skip_not_finite`); ``False``: no check.
+    block_sharding, axis_name, precondition_mask, layers, skip_not_finite: as :func:`thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
@@ -330,18 +297,7 @@ def spngd(
     ema_decay: running average of the factors (SP-NGD: ``None``).
     rescale_weights: cap kernel norms at ``sqrt(2 d_out)`` after each step.
     block_size: ``None`` or THOR's split size.
-    block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
-    axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
-      curvature statistics across replicas; see :func:`scale_by_thor`.
-    precondition_mask: optax mask (tree or callable) of the parameters preconditioned; the
-      others skip the preconditioner (no Kronecker blocks in the state) and only take the
-      steps after it. :func:`thor_optax.captured_mask` makes it from a capture's statistics.
-    layers: the capture's layout, :func:`thor_optax.captured_layers` of its statistics (the
-      layers it takes, as it takes them: attention projections without bias, einsums);
-      ``None``: layers claimed from parameter shapes. See :func:`scale_by_thor`.
-    skip_not_finite: a step whose gradient or update has a NaN or an Inf returns zero updates
-      and leaves the whole state (momentum, curvature) unchanged, counted in the state's
-      ``optax.ApplyIfFiniteState`` (:func:`thor_optax.skip_not_finite`); ``False``: no check.
+    block_sharding, axis_name, precondition_mask, layers, skip_not_finite: as :func:`thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.
