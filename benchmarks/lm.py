@@ -149,6 +149,8 @@ from tqdm import tqdm  # noqa: E402
 import thor_optax  # noqa: E402
 import thor_optax.flax  # noqa: E402
 
+import options  # noqa: E402  (benchmarks/options.py, beside this script)
+
 # The standard-library packages whose .py files (recursively) make up the corpus.
 PACKAGES = ("asyncio", "collections", "concurrent", "email", "html", "http", "importlib", "json",
             "logging", "multiprocessing", "urllib", "wsgiref", "xml")
@@ -366,13 +368,6 @@ def lr_schedule(peak: float, num_steps: int) -> optax.Schedule:
                                             end_value=peak / 10)
 
 
-def check_schedule(checks: Union[int, tuple[int, ...]]) -> thor_optax.CheckSchedule:
-  """A fixed interval (int) or THOR's ``growing_interval(start, end, transition)`` (triple)."""
-  if isinstance(checks, int):
-    return thor_optax.CheckSchedule(checks)
-  return thor_optax.CheckSchedule(thor_optax.growing_interval(*checks))
-
-
 def muon_dimension_numbers(params: Any) -> Any:
   """Muon's matrix axes of each parameter: the kernels of the scanned blocks, else ``None``.
 
@@ -411,10 +406,10 @@ def make_optimizer(cfg: Config, num_steps: int, precondition_mask: Any = None
   if cfg.optimizer == "thor":
     tx = thor_optax.thor(lr, cfg.damping, block_size=cfg.thor_block_size,
                          precondition_mask=precondition_mask)
-    return tx, check_schedule(cfg.checks)
+    return tx, options.check_schedule(cfg.checks)
   if cfg.optimizer.startswith("kfac"):
     return (thor_optax.kfac(lr, cfg.damping, precondition_mask=precondition_mask),
-            check_schedule(cfg.checks))
+            options.check_schedule(cfg.checks))
   if cfg.optimizer == "adamw":
     return optax.adamw(lr), None
   if cfg.optimizer == "muon":
@@ -859,35 +854,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--out", default=None, help="write the results to this JSON file")
   p.add_argument("--plot", default="lm.png",
                  help="write the curves to this PNG; '' for none (default: %(default)s)")
-  for name in OPTIMIZERS:
-    p.add_argument(f"--lr-{name}", type=float, default=None,
-                   help=f"peak learning rate of {name} (default: {DEFAULT_LEARNING_RATE[name]})")
-  for name in SECOND_ORDER:
-    p.add_argument(f"--{name}-damping", type=float, default=None,
-                   help=f"damping of {name} (default: {DEFAULT_DAMPING[name]})")
-  p.add_argument("--thor-block-size", type=int, default=128,
-                 help="THOR's factor block size; 0 keeps factors whole (default: %(default)s)")
-  p.add_argument("--checks", nargs="+", default=[], metavar="NAME=SPEC",
-                 help="check steps of a second-order optimizer: NAME=N (every N steps) or "
-                      "NAME=START,END,TRANSITION (growing_interval), e.g. thor=1,20,300 "
-                      f"kfac-expand=1 (default: {DEFAULT_CHECKS})")
-  p.add_argument("--tune", action="store_true",
-                 help="instead of the benchmark, grid-search learning rates and damping on the "
-                      "validation split")
-  p.add_argument("--tune-steps", type=int, default=None,
-                 help="steps per tuning candidate (default: --steps)")
-  p.add_argument("--no-tune-damping", dest="tune_damping", action="store_false",
-                 help="--tune: skip the damping grid")
+  options.add_optimizer_options(
+      p, OPTIMIZERS, SECOND_ORDER, lambda name: DEFAULT_LEARNING_RATE[name], lambda name: DEFAULT_DAMPING[name], "thor=1,20,300 kfac-expand=1", DEFAULT_CHECKS,
+      "the validation split", "--steps")
   args = p.parse_args(argv)
-  checks = dict(DEFAULT_CHECKS)
-  for item in args.checks:
-    name, _, spec = item.partition("=")
-    values = tuple(int(v) for v in spec.split(","))
-    if name not in SECOND_ORDER or len(values) not in (1, 3):
-      p.error(f"--checks {item!r}: expected NAME=N or NAME=START,END,TRANSITION with NAME in "
-              f"{SECOND_ORDER}")
-    checks[name] = values[0] if len(values) == 1 else values
-  args.checks = checks
+  args.checks = options.parse_checks(p, args.checks, DEFAULT_CHECKS, SECOND_ORDER)
   return args
 
 

@@ -128,6 +128,8 @@ from tqdm import tqdm  # noqa: E402
 import thor_optax  # noqa: E402
 import thor_optax.flax  # noqa: E402
 
+import options  # noqa: E402  (benchmarks/options.py, beside this script)
+
 SECOND_ORDER = ("thor", "kfac", "skfac", "kaisa", "spngd")
 OPTIMIZERS = SECOND_ORDER + ("sgd", "adam", "muon")
 TASKS = ("mlp", "cnn", "cnn_bn")
@@ -304,13 +306,6 @@ class Config:
   adam_learning_rate: Optional[float] = None  # Muon's Adam part
 
 
-def check_schedule(checks: Union[int, tuple[int, ...]]) -> thor_optax.CheckSchedule:
-  """A fixed interval (int) or THOR's ``growing_interval(start, end, transition)`` (triple)."""
-  if isinstance(checks, int):
-    return thor_optax.CheckSchedule(checks)
-  return thor_optax.CheckSchedule(thor_optax.growing_interval(*checks))
-
-
 def muon_dimension_numbers(params: Any) -> Any:
   """Muon's matrix axes of each parameter: hidden kernels orthogonalized, the rest to Adam.
 
@@ -347,7 +342,7 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation,
     kwargs = {"thor": dict(block_size=cfg.thor_block_size),
               "skfac": dict(woodbury_rows=cfg.batch_size)}.get(cfg.optimizer, {})
     tx = alias(cfg.learning_rate, cfg.damping, **kwargs)
-    return tx, check_schedule(cfg.checks)
+    return tx, options.check_schedule(cfg.checks)
   if cfg.optimizer == "sgd":
     return optax.sgd(cfg.learning_rate, momentum=0.9), None
   if cfg.optimizer == "adam":
@@ -770,37 +765,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--out", default=None, help="write the results to this JSON file")
   p.add_argument("--plot", default="mnist.png",
                  help="write the curves to this PNG; '' for none (default: %(default)s)")
-  for name in OPTIMIZERS:
-    p.add_argument(f"--lr-{name}", type=float, default=None,
-                   help=f"learning rate of {name} (default: the tuned one of each task)")
-  for name in SECOND_ORDER:
-    p.add_argument(f"--{name}-damping", type=float, default=None,
-                   help=f"damping of {name} (default: the tuned one of each task)")
-  p.add_argument("--thor-block-size", type=int, default=128,
-                 help="THOR's factor block size; 0 keeps factors whole (default: %(default)s)")
-  p.add_argument("--checks", nargs="+", default=[], metavar="NAME=SPEC",
-                 help="check steps of a second-order optimizer: NAME=N (every N steps) or "
-                      "NAME=START,END,TRANSITION (growing_interval); e.g. thor=1,20,200 kfac=10 "
-                      f"(default: {DEFAULT_CHECKS})")
-  p.add_argument("--tune", action="store_true",
-                 help="instead of the benchmark, grid-search learning rates and damping on a "
-                      "validation split")
-  p.add_argument("--tune-steps", type=int, default=None,
-                 help="steps per tuning candidate (default: half of each task's default steps)")
-  p.add_argument("--no-tune-damping", dest="tune_damping", action="store_false",
-                 help="--tune: skip the damping grid")
+  options.add_optimizer_options(
+      p, OPTIMIZERS, SECOND_ORDER, lambda name: "the tuned one of each task", lambda name: "the tuned one of each task", "thor=1,20,200 kfac=10", DEFAULT_CHECKS,
+      "a validation split", "half of each task's default steps")
   args = p.parse_args(argv)
   if args.all:
     args.tasks, args.optimizers = list(TASKS), list(OPTIMIZERS)
-  checks = dict(DEFAULT_CHECKS)
-  for item in args.checks:
-    name, _, spec = item.partition("=")
-    values = tuple(int(v) for v in spec.split(","))
-    if name not in SECOND_ORDER or len(values) not in (1, 3):
-      p.error(f"--checks {item!r}: expected NAME=N or NAME=START,END,TRANSITION with NAME in "
-              f"{SECOND_ORDER}")
-    checks[name] = values[0] if len(values) == 1 else values
-  args.checks = checks
+  args.checks = options.parse_checks(p, args.checks, DEFAULT_CHECKS, SECOND_ORDER)
   return args
 
 

@@ -1,0 +1,62 @@
+"""Command-line options and check schedules shared by ``mnist.py`` and ``lm.py``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Union
+
+import thor_optax
+
+Checks = Union[int, tuple[int, int, int]]
+
+
+def check_schedule(checks: Checks) -> thor_optax.CheckSchedule:
+  """A fixed interval (int) or THOR's ``growing_interval(start, end, transition)`` (triple)."""
+  if isinstance(checks, int):
+    return thor_optax.CheckSchedule(checks)
+  return thor_optax.CheckSchedule(thor_optax.growing_interval(*checks))
+
+
+def add_optimizer_options(p: argparse.ArgumentParser, optimizers: tuple[str, ...],
+                          second_order: tuple[str, ...], lr_default: Callable[[str], str],
+                          damping_default: Callable[[str], str], checks_example: str,
+                          default_checks: dict, tune_split: str, tune_steps: str) -> None:
+  """``--lr-NAME``, ``--NAME-damping``, ``--thor-block-size``, ``--checks`` and the ``--tune``
+  options; ``lr_default`` / ``damping_default`` describe each optimizer's default in the help."""
+  for name in optimizers:
+    p.add_argument(f"--lr-{name}", type=float, default=None,
+                   help=f"learning rate of {name} (default: {lr_default(name)})")
+  for name in second_order:
+    p.add_argument(f"--{name}-damping", type=float, default=None,
+                   help=f"damping of {name} (default: {damping_default(name)})")
+  p.add_argument("--thor-block-size", type=int, default=128,
+                 help="THOR's factor block size; 0 keeps factors whole (default: %(default)s)")
+  p.add_argument("--checks", nargs="+", default=[], metavar="NAME=SPEC",
+                 help="check steps of a second-order optimizer: NAME=N (every N steps) or "
+                      f"NAME=START,END,TRANSITION (growing_interval), e.g. {checks_example} "
+                      f"(default: {default_checks})")
+  p.add_argument("--tune", action="store_true",
+                 help="instead of the benchmark, grid-search learning rates and damping on "
+                      f"{tune_split}")
+  p.add_argument("--tune-steps", type=int, default=None,
+                 help=f"steps per tuning candidate (default: {tune_steps})")
+  p.add_argument("--no-tune-damping", dest="tune_damping", action="store_false",
+                 help="--tune: skip the damping grid")
+
+
+def parse_checks(p: argparse.ArgumentParser, items: list, default_checks: dict,
+                 second_order: tuple[str, ...]) -> dict:
+  """``default_checks`` updated by the ``--checks NAME=SPEC`` items; a bad item is a usage
+  error (``p.error`` exits)."""
+  checks = dict(default_checks)
+  for item in items:
+    name, _, spec = item.partition("=")
+    try:
+      values = tuple(int(v) for v in spec.split(","))
+    except ValueError:
+      values = ()
+    if name not in second_order or len(values) not in (1, 3):
+      p.error(f"--checks {item!r}: expected NAME=N or NAME=START,END,TRANSITION with NAME in "
+              f"{second_order}")
+    checks[name] = values[0] if len(values) == 1 else values
+  return checks
