@@ -661,8 +661,7 @@ def _wrapped_runs(name, params, grads, stats, halves):
     out["multi"] = (first, second, state)
     out["masked"] = masked.update(grads, masked.init(params), params, curvature_stats=stats)
     # Non-finite steps after the check step: a NaN gradient on a plain step, an Inf on a check
-    # step, a NaN learning rate; then a clean plain step. Without the guard: the NaN reaches
-    # the update.
+    # step, a NaN learning rate; then a clean plain step.
     _, s1 = out["plain"][:2]
     nan_grads = _poison(grads, jnp.nan)
     bad_plain = tx.update(nan_grads, s1, params)
@@ -672,9 +671,7 @@ def _wrapped_runs(name, params, grads, stats, halves):
     nan_lr = is1._replace(hyperparams={**is1.hyperparams,
                                        "learning_rate": jnp.asarray(jnp.nan, F64)})
     bad_lr = inject.update(grads, nan_lr, params)
-    bare = factory(LR, LAM, skip_not_finite=False, **settings)
-    out["not_finite"] = (bad_plain, bad_check, after, bad_lr,
-                         bare.update(nan_grads, bare.init(params), params)[0])
+    out["not_finite"] = (bad_plain, bad_check, after, bad_lr)
     return out
 
   return _jitted(run, params, grads, stats, g_a, g_b, st_a, st_b)
@@ -753,7 +750,7 @@ def test_alias_in_jit_optax_wrappers_and_checkpoints(name, alias_data, tmp_path)
     assert_orbax_round_trip(s2, target, tmp_path / "state")
 
   with check("(f) a non-finite gradient or update changes nothing, and is counted"):
-    bad_plain, bad_check, after, bad_lr, bare = runs["not_finite"]
+    bad_plain, bad_check, after, bad_lr = runs["not_finite"]
     for updates, state in (bad_plain, bad_check):
       assert all(not np.any(leaf) for leaf in jax.tree.leaves(updates))
       assert isinstance(state, optax.ApplyIfFiniteState)
@@ -768,7 +765,6 @@ def test_alias_in_jit_optax_wrappers_and_checkpoints(name, alias_data, tmp_path)
     _assert_trees_close(bad_lr[1].inner_state.inner_state, is1.inner_state.inner_state,
                         rtol=0, atol=0)
     assert int(bad_lr[1].inner_state.total_notfinite) == 1
-    assert np.isnan(np.asarray(bare["Dense_1"]["kernel"])).any()  # what the guard stops
 
   check.assert_all_passed()
 
