@@ -11,8 +11,8 @@ Cholesky, Woodbury from rows, eigh, the trace rule and the adaptive refresh each
 The same holds for Flax NNX's "scan over layers" (a stack made by ``nnx.vmap``, run by
 ``nnx.scan`` over an ``nnx.remat``-ed body): the capture hands each lifted layer copy its
 perturbation and takes its input back through ``nnx.Param``-typed channel variables. A layer
-whose one set of weights is applied at every iteration (a cell broadcast into ``nnx.scan``, a
-layer broadcast into ``nnx.vmap``) is listed as weight sharing, not preconditioned.
+whose one set of weights is applied at every iteration (a recurrent cell) is weight sharing over
+the iterations: ``test_recurrent_layers.py``.
 """
 
 import functools
@@ -234,42 +234,3 @@ def test_nnx_scanned_stack_equals_unrolled_layers(name):
   moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
               zip(jax.tree.leaves(got), jax.tree.leaves(start)))
   assert moved > 1e-3
-
-
-class NNXCellScan(nnx.Module):
-  """A recurrent cell broadcast into ``nnx.scan`` (one set of weights at every time step)."""
-
-  def __init__(self, rngs: nnx.Rngs):
-    self.cell = nnx.Linear(4, 4, param_dtype=jnp.float64, rngs=rngs)
-    self.head = nnx.Linear(4, 3, param_dtype=jnp.float64, rngs=rngs)
-
-  def __call__(self, xs):
-    @nnx.scan(in_axes=(None, nnx.Carry, 1), out_axes=(nnx.Carry, 1))
-    def step(cell, h, x):
-      h = jnp.tanh(cell(h) + x)
-      return h, h
-
-    _, hs = step(self.cell, jnp.zeros(xs.shape[:1] + (4,)), xs)
-    return self.head(hs)
-
-
-class NNXMapped(nnx.Module):
-  """A layer broadcast into ``nnx.vmap`` over the sequence axis."""
-
-  def __init__(self, rngs: nnx.Rngs):
-    self.mapped = nnx.Linear(4, 3, param_dtype=jnp.float64, rngs=rngs)
-
-  def __call__(self, xs):
-    return nnx.vmap(lambda m, x: m(x), in_axes=(None, 1), out_axes=1)(self.mapped, xs)
-
-
-@pytest.mark.parametrize("model, shared, transform", [
-    (NNXCellScan, "cell", "nnx.scan"), (NNXMapped, "mapped", "nnx.vmap")])
-def test_nnx_weights_shared_across_iterations_are_listed(model, shared, transform):
-  xs, y = jnp.asarray(randn(2, (5, 7, 4))), jnp.arange(35).reshape(5, 7) % 3
-  capture = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)
-  (_, grads), stats = capture(model(nnx.Rngs(0)), xs, y)
-  assert shared not in stats.layers
-  (note,) = [u for u in stats.unhandled if u.startswith(shared + ":")]
-  assert transform in note and "weight sharing" in note
-  assert set(stats.layers) == ({"head"} if shared == "cell" else set())

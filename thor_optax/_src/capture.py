@@ -32,7 +32,10 @@ Captured layer kinds (see ``layers/*.py``):
 A layer called once is captured through its own ``params`` scope, directly or inside lifted
 transforms; a layer whose weights are used several times directly in the forward pass (called
 twice, an embedding's ``__call__`` and ``attend``) is weight sharing: every use is recorded and
-perturbed in the forward trace and the kind joins them (:func:`shared_uses`).
+perturbed in the forward trace and the kind joins them (:func:`shared_uses`); a layer whose
+weights a lifted loop applies at every iteration (an ``nn.RNN`` / ``nn.scan`` cell with
+``variable_broadcast='params'``, a layer broadcast into ``nn.vmap``) gets K-FAC-reduce over the
+iterations from zero channels the loop body closes over (``step_sharing.py``).
 
 For a normalization layer (a kind with ``normalized_input``) the interceptor also needs
 ``x_hat``, the normalized input before scale and bias. It is recomputed by applying an unbound
@@ -75,6 +78,7 @@ from jax.extend import core as jax_core
 
 from thor_optax._src import layers as layers_lib
 from thor_optax._src import stats as stats_lib
+from thor_optax._src import step_sharing
 from thor_optax._src.layers import base as layer_base
 
 FISHER_TYPES = ("empirical", "sampled", "exact")
@@ -243,7 +247,8 @@ def path_name(path: tuple[Any, ...]) -> str:
 def plan_calls(calls: Mapping[tuple[Any, ...], list],
                module_reasons: Mapping[tuple[Any, ...], str],
                counts: Optional[Mapping[tuple[Any, ...], int]] = None,
-               shared: Optional[Mapping[tuple[Any, ...], str]] = None) -> tuple[dict, dict]:
+               shared: Optional[Mapping[tuple[Any, ...], str]] = None,
+               weight_sharing: str = "auto") -> tuple[dict, dict]:
   """Which module calls are captured, and why the others are not.
 
   Args:
@@ -257,14 +262,19 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
       from ``calls``.
     shared: ``{module path: reason}`` for modules whose parameters are also used elsewhere
       (given to a module applied with ``.apply()``): listed, not captured.
+    weight_sharing: the capture's option (``step_sharing.plan``: ``'expand'`` lists a layer
+      shared over a loop's iterations).
 
   Returns:
-    ``(captured, unhandled)``: ``captured[path] = dict(kind=, meta=, out=, stack=, uses=)``
-    with ``kind`` the module's ``LayerKind``, ``meta`` the static metadata of its statistics,
-    ``out`` the output's ``ShapeDtypeStruct``, ``stack`` the leading stack axes of its
-    parameters and ``uses`` ``None`` for a layer called once, or the calls (:class:`Call`) of
-    a layer whose weights are used several times in the forward pass (weight sharing: a layer
-    called twice, a tied embedding's ``__call__`` and ``attend``; :func:`shared_uses`);
+    ``(captured, unhandled)``: ``captured[path] = dict(kind=, meta=, out=, input_shape=,
+    stack=, uses=, steps=)`` with ``kind`` the module's ``LayerKind``, ``meta`` the static
+    metadata of its statistics, ``out`` the output's ``ShapeDtypeStruct`` and ``input_shape``
+    the primary input's shape (of one iteration inside a lifted loop), ``stack`` the leading
+    stack axes of its parameters, ``uses`` ``None`` for a layer called once, or the calls
+    (:class:`Call`) of a layer whose weights are used several times in the forward pass
+    (weight sharing: a layer called twice, a tied embedding's ``__call__`` and ``attend``;
+    :func:`shared_uses`), and ``steps`` the lifted loop (``'nn.scan'``, ...) that applies the
+    layer's weights at every iteration (``step_sharing.py``), ``''`` otherwise;
     ``unhandled[path] = reason``.
   """
   unhandled: dict[tuple[Any, ...], str] = {}
@@ -285,9 +295,8 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
           "(e.g. weight standardization); register a layer kind for it "
           "(thor_optax.register_layer_kind)"))
     elif first.shared_over:
-      plan = layer_base.Plan(None, (
-          f"its weights are shared by every iteration of {first.shared_over} (a recurrent "
-          "cell, or a layer mapped over a dimension): weight sharing is not preconditioned yet"))
+      plan = step_sharing.plan(kind, plan, first.shared_over, first.stack, weight_sharing)
+      sharing = False  # a loop body traced more than once is not several uses
     elif path in (shared or {}):
       plan = layer_base.Plan(None, shared[path])
     elif sharing:
@@ -295,8 +304,9 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
     if plan.meta is None:
       unhandled[path] = plan.reason
       continue
-    captured[path] = dict(kind=kind, meta=plan.meta, out=first.out, stack=first.stack,
-                          uses=tuple(seen) if sharing else None)
+    captured[path] = dict(kind=kind, meta=plan.meta, out=first.out,
+                          input_shape=first.input_shape, stack=first.stack,
+                          uses=tuple(seen) if sharing else None, steps=first.shared_over)
   for path, reason in {**module_reasons, **(shared or {})}.items():
     if path not in captured and path not in unhandled:
       unhandled[path] = reason
@@ -354,6 +364,10 @@ def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
   (``stack=(L,)``) gets its kind's statistics with a leading ``L`` axis on every field."""
   layers: Any = {}
   for path, c in captured.items():
+    if c["steps"]:  # shared over a loop's iterations: the channels' sums
+      layers = _set_nested(layers, path, step_sharing.stats(
+          c["kind"], c["meta"], layer_inputs[path], cts[path].cotangents, num_terms))
+      continue
     if c["uses"]:  # weight sharing: one statistics of every use
       kind = c["kind"]
       joined = kind.make_shared_stats(tuple(u.method for u in c["uses"]), layer_inputs[path],
@@ -421,8 +435,10 @@ def vjp_with_stats(
       forward pass that adds ``perturbations[path]`` (zeros of the layer's output shape, with
       the leading stack axes of a stacked layer; for a layer with ``uses``, a tuple of them,
       one per use in call order) to the output of every captured layer and records its input
-      (``x_hat`` for a normalization layer; a tuple per use) in ``layer_inputs[path]``;
-      ``outputs`` is any pytree; ``aux`` is passed through (e.g. updated model state).
+      (``x_hat`` for a normalization layer; a tuple per use) in ``layer_inputs[path]``; a
+      layer with ``steps`` gets ``step_sharing.StepChannels`` instead, which it attaches at
+      every iteration with ``step_sharing.tap`` and records nothing; ``outputs`` is any
+      pytree; ``aux`` is passed through (e.g. updated model state).
     params: the differentiated parameters (any pytree).
     captured, unhandled: from :func:`plan_calls`.
     loss_fn: ``loss_fn(outputs, targets) -> scalar``, given the outputs exactly as the model
@@ -439,14 +455,21 @@ def vjp_with_stats(
     ValueError: from :func:`loss_terms`; for a sampled or exact Fisher of a model whose output
       is not one array (the predictive distribution needs the logits).
   """
-  perturbations = {path: jnp.zeros(tuple(c["stack"]) + tuple(c["out"].shape), c["out"].dtype)
-                   if not c["uses"] else
-                   tuple(jnp.zeros(u.out.shape, u.out.dtype) for u in c["uses"])
-                   for path, c in captured.items()}
+  def zeros(c):
+    if c["steps"]:
+      return step_sharing.channels(c["input_shape"], c["out"])
+    if c["uses"]:
+      return tuple(jnp.zeros(u.out.shape, u.out.dtype) for u in c["uses"])
+    return jnp.zeros(tuple(c["stack"]) + tuple(c["out"].shape), c["out"].dtype)
+
+  perturbations = {path: zeros(c) for path, c in captured.items()}
   outputs, vjp_fn, (layer_inputs, aux) = jax.vjp(forward, params, perturbations, has_aux=True)
   loss, dloss = jax.value_and_grad(loss_fn)(outputs, targets)
   dloss = jax.tree.map(lambda d, o: d.astype(o.dtype), dloss, outputs)
   grads, layer_cts = vjp_fn(dloss)
+  # A layer shared over a loop's iterations: its input sums come back as gradients.
+  layer_inputs = {**layer_inputs, **{path: layer_cts[path] for path, c in captured.items()
+                                     if c["steps"]}}
   num_terms = loss_terms(outputs, options)
   if options.fisher_type == "empirical":
     cts = jax.tree.map(lambda c: (c * num_terms)[None], layer_cts)
@@ -505,6 +528,8 @@ class _Apply:
 _INPUTS = "~thor_inputs"  # a captured layer's recorded input, in its own params scope
 _PERTURBATION = "~thor_perturbation"  # the zeros added to a captured layer's output
 _CALLS = "~thor_calls"  # zeros((k,)) after k calls of a layer (counted through lifted scans)
+_STEP_INPUTS = "~thor_step_inputs"  # step_sharing.StepChannels.inputs (with _PERTURBATION)
+_STEPS = "~thor_steps"  # step_sharing.StepChannels.steps
 
 
 def _strip_channels(tree: Any) -> Any:
@@ -512,7 +537,7 @@ def _strip_channels(tree: Any) -> Any:
   if not isinstance(tree, Mapping):
     return tree
   return {k: _strip_channels(v) for k, v in tree.items()
-          if k not in (_INPUTS, _PERTURBATION, _CALLS)}
+          if k not in (_INPUTS, _PERTURBATION, _CALLS, _STEP_INPUTS, _STEPS)}
 
 
 def _get(tree: Any, path: tuple[Any, ...]) -> Any:
@@ -683,8 +708,9 @@ def _normalized_input(kind: layer_base.LayerKind, mod: nn.Module, args: tuple, k
   return jax.lax.stop_gradient(x_hat)
 
 
-def _with_channels(params: Any, perts: Mapping[tuple[str, ...], jax.Array]) -> Any:
-  """``params`` with each captured layer's zero perturbation beside its leaves."""
+def _with_channels(params: Any, perts: Mapping[tuple[str, ...], Any]) -> Any:
+  """``params`` with each captured layer's zero perturbation beside its leaves (for a layer
+  shared over a loop's iterations, its three ``StepChannels``)."""
   if not perts:
     return params
   tree = dict(params)
@@ -693,6 +719,9 @@ def _with_channels(params: Any, perts: Mapping[tuple[str, ...], jax.Array]) -> A
     for key in path:
       node[key] = dict(node[key])
       node = node[key]
+    if isinstance(zeros, step_sharing.StepChannels):
+      node[_STEP_INPUTS], node[_STEPS] = zeros.inputs, zeros.steps
+      zeros = zeros.cotangents
     node[_PERTURBATION] = zeros
   return tree
 
@@ -709,9 +738,12 @@ def _forward(apply: _Apply, model_state: dict, inputs: Any,
   rematerialized by ``nn.remat``. A layer with several uses (``shared[path]``: the methods of
   its uses; ``perts[path]`` a tuple, one per use; only layers called directly) is handled in
   this trace: its ``i``-th call of those methods adds the ``i``-th perturbation and its inputs
-  come back as a tuple.
+  come back as a tuple. A layer shared over a loop's iterations (``perts[path]`` a
+  ``step_sharing.StepChannels``) reads its channels, loop invariants, from its ``params`` scope
+  and attaches them to every iteration's output (``step_sharing.tap``); it records nothing.
   """
   ctx = _Context({})
+  steps = {p for p, z in perts.items() if isinstance(z, step_sharing.StepChannels)}
   in_clone = [False]  # the x_hat clone's own call passes through the interceptor
   used: dict[tuple[str, ...], list] = {p: [] for p in shared}
 
@@ -727,6 +759,10 @@ def _forward(apply: _Apply, model_state: dict, inputs: Any,
     if (in_clone[0] or context.method_name != "__call__" or path not in perts
         or ctx.foreign(mod)):
       return next_fun(*args, **kwargs)
+    if path in steps:
+      ch = step_sharing.StepChannels(*(mod.scope.get_variable("params", name)
+                                       for name in (_STEP_INPUTS, _PERTURBATION, _STEPS)))
+      return step_sharing.tap(next_fun(*args, **kwargs), primary_input(args, kwargs), ch)
     if path not in normalized:
       mod.scope.put_variable("params", _INPUTS, primary_input(args, kwargs))
       return next_fun(*args, **kwargs) + mod.scope.get_variable("params", _PERTURBATION)
@@ -745,7 +781,8 @@ def _forward(apply: _Apply, model_state: dict, inputs: Any,
   variables = {"params": _with_channels(params, channels), **model_state}
   with nn.intercept_methods(intercept):
     outputs, mutated = apply.instrumented(variables, inputs)
-  layer_inputs = {path: _get(mutated["params"], path)[_INPUTS] for path in channels}
+  layer_inputs = {path: _get(mutated["params"], path)[_INPUTS] for path in channels
+                  if path not in steps}
   layer_inputs.update({path: tuple(xs) for path, xs in used.items()})
   return outputs, (layer_inputs, apply.user_state(mutated))
 
@@ -788,7 +825,9 @@ def value_and_grad_with_stats(
       cheaper; exact when positions are pooled before a per-example loss, a classifying
       ViT), or ``'auto'`` (default): expand when the loss has more terms than examples, else
       reduce. Dense and ``DenseGeneral`` layers; embeddings always expand, convolutions
-      follow the transforms' ``conv_statistics``.
+      follow the transforms' ``conv_statistics``. A layer whose weights a lifted loop applies
+      at every iteration (a recurrent cell) is always folded with reduce over the iterations,
+      whose rows do not leave the loop; ``'expand'`` lists it with that reason.
 
   Returns:
     ``fn(params, inputs, targets, *, rng=None, model_state=None, mutable=False,
@@ -840,7 +879,7 @@ def value_and_grad_with_stats(
     shared = _shared_with_apply(apply, params, model_state, inputs, foreign)
     captured, unhandled = plan_calls(
         calls, {path: "module kind not supported" for path in _module_paths(params)},
-        counts, shared)
+        counts, shared, weight_sharing)
     forward = functools.partial(
         _forward, apply, model_state, inputs,
         {p: c["kind"] for p, c in captured.items() if c["kind"].normalized_input},

@@ -46,11 +46,12 @@ Limitations:
   transform slices, stacks and returns like the layer's parameters. So a stack of layers
   (made by ``nnx.vmap``, run by ``nnx.scan``: parameters with a leading layer axis) gets
   Kronecker factors per layer, and ``nnx.remat`` layers are captured as if called directly. A
-  layer whose one set of weights is applied at every iteration (a cell broadcast into
-  ``nnx.scan``, as in ``nnx.RNN``; a layer broadcast into ``nnx.vmap``) is weight sharing,
-  listed as unhandled; a layer used several times directly in the forward pass (called twice,
-  a tied embedding's ``__call__`` and ``attend``) is captured with all its uses (weight
-  sharing, ``capture.shared_uses``);
+  layer whose one set of weights is applied at every iteration (a cell carried through
+  ``nnx.scan`` by ``nnx.RNN`` or broadcast into it; a layer broadcast into ``nnx.vmap``) is
+  weight sharing over the iterations, captured with K-FAC-reduce (``step_sharing.py``); a
+  layer used several times directly in the forward pass (called twice, a tied embedding's
+  ``__call__`` and ``attend``) is captured with all its uses (weight sharing,
+  ``capture.shared_uses``);
 * calling a layer inside a raw ``jax`` transform of a closure (``jax.checkpoint``,
   ``jax.lax.scan``) within the model is not supported (use the ``nnx`` transforms).
 
@@ -73,6 +74,7 @@ import jax.numpy as jnp
 
 from thor_optax._src import capture as capture_lib
 from thor_optax._src import layers as layers_lib
+from thor_optax._src import step_sharing
 
 
 # handler(original, module, method, args, kwargs): original is the unpatched function.
@@ -148,6 +150,7 @@ _PATH = "_thor_path"  # static attribute (kept in the graphdef through lifted tr
 _PROBE = "_thor_probe"  # discovery: written by every __call__ (dropped under a scan broadcast)
 _PERTURBATION = "_thor_perturbation"
 _INPUT = "_thor_input"
+_STEPS = "_thor_steps"  # step_sharing.StepChannels.steps (inputs: _INPUT, cotangents: _PERTURBATION)
 
 
 def _layers(model: nnx.Module) -> dict[tuple[Any, ...], nnx.Module]:
@@ -210,9 +213,11 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
   copy that carries its path; its stack axes are the leading axes of its parameters that the
   copy does not see (``nnx.scan`` / ``nnx.vmap`` over a stack of layers). A layer whose
   unstacked weights are applied at every iteration is marked shared: under ``nnx.vmap`` its
-  input is mapped while its weights are not; under ``nnx.scan`` (a broadcast cell, as in
-  ``nnx.RNN``) the write of its probe channel does not come out of the loop, which the pass's
-  jaxpr shows (the probe's output is its input variable).
+  input is mapped while its weights are not; under ``nnx.scan`` the write of its probe channel
+  either does not come out of the loop (a cell broadcast into the loop: the probe's output is
+  its input variable in the pass's jaxpr) or comes out as the loop's carry (``nnx.RNN``
+  carries its cell's state: the probe's output is a ``scan`` output while the layer is not one
+  of a stack).
   """
   calls: dict[tuple[Any, ...], list] = {}
   dtypes: dict[tuple[Any, ...], Any] = {}
@@ -259,9 +264,32 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
   jaxpr = jax.make_jaxpr(run)(params, rest, probes).jaxpr
   probe_vars = jaxpr.invars[len(jaxpr.invars) - len(order):]
   for path, var_in, var_out in zip(order, probe_vars, jaxpr.outvars):
-    if path in written and var_out is var_in:  # the write never left an nnx.scan
+    if path not in written:
+      continue
+    # The write never left an nnx.scan (a broadcast cell), or came out of a loop as its carry
+    # (nnx.RNN carries its cell's state) while the layer is not one of a stack.
+    if var_out is var_in or (_from_loop(jaxpr, var_out)
+                             and not any(c.stack for c in calls[path])):
       calls[path] = [c._replace(shared_over="nnx.scan") for c in calls[path]]
   return calls, dtypes
+
+
+def _from_loop(jaxpr: Any, var: Any) -> bool:
+  """Whether ``var`` of ``jaxpr`` is an output of a ``scan`` or ``while`` equation, directly or
+  through call-like equations (``pjit``, ``checkpoint``, ...) holding one sub-jaxpr."""
+  for eqn in jaxpr.eqns:
+    if not any(v is var for v in eqn.outvars):
+      continue
+    if eqn.primitive.name in ("scan", "while"):
+      return True
+    inner = [v for k, v in eqn.params.items() if k in ("jaxpr", "call_jaxpr", "fun_jaxpr")]
+    if len(inner) != 1:
+      return False
+    inner = getattr(inner[0], "jaxpr", inner[0])
+    i = next(i for i, v in enumerate(eqn.outvars) if v is var)
+    return (len(inner.outvars) == len(eqn.outvars)
+            and _from_loop(inner, inner.outvars[i]))
+  return False
 
 
 def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: dict, captured: dict,
@@ -271,12 +299,20 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: dict, captured:
 
   Each captured layer of the copy gets two :class:`_Channel` variables: its perturbation
   (zeros of its output shape with its stack axes) and its input record, so that layers run
-  inside lifted transforms receive their slice and hand their input back like parameters."""
+  inside lifted transforms receive their slice and hand their input back like parameters. A
+  layer shared over a loop's iterations (``captured[path]['steps']``) gets its
+  ``step_sharing.StepChannels`` in the same variables (and ``_STEPS``), which the loop body
+  reads as loop invariants and attaches to every iteration (``step_sharing.tap``)."""
   copy = nnx.merge(graphdef, params, rest, copy=True)
   layers = _tagged(copy)
   used = {path: [] for path, c in captured.items() if c["uses"]}  # weight sharing
   for path, c in captured.items():
     if path in used:
+      continue
+    if c["steps"]:
+      for name, value in ((_INPUT, perts[path].inputs), (_PERTURBATION, perts[path].cotangents),
+                          (_STEPS, perts[path].steps)):
+        setattr(layers[path], name, _Channel(value))
       continue
     setattr(layers[path], _PERTURBATION, _Channel(perts[path]))
     shape = tuple(c["stack"]) + tuple(c["input_shape"])
@@ -291,6 +327,11 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: dict, captured:
     if method != "__call__" or path not in captured:
       return original(mod, *args, **kwargs)
     kind = captured[path]["kind"]
+    if captured[path]["steps"]:
+      ch = step_sharing.StepChannels(*(getattr(mod, name).get_value()
+                                       for name in (_INPUT, _PERTURBATION, _STEPS)))
+      return step_sharing.tap(original(mod, *args, **kwargs),
+                              capture_lib.primary_input(args, kwargs), ch)
     if not kind.normalized_input:
       getattr(mod, _INPUT).set_value(capture_lib.primary_input(args, kwargs))
       return original(mod, *args, **kwargs) + getattr(mod, _PERTURBATION).get_value()
@@ -302,7 +343,7 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: dict, captured:
   with _intercept(intercept):
     outputs = copy(inputs, **call_kwargs)
   layer_inputs = {path: getattr(layers[path], _INPUT).get_value() for path in captured
-                  if path not in used}
+                  if path not in used and not captured[path]["steps"]}
   layer_inputs.update({path: tuple(xs) for path, xs in used.items()})
   _, _, new_rest = nnx.split(copy, nnx.Param, ...)  # the channels are Params: not in new_rest
   return outputs, (layer_inputs, new_rest)
@@ -330,9 +371,10 @@ def value_and_grad_with_stats(
   ``nnx.LayerNorm``, ``nnx.GroupNorm`` and ``nnx.RMSNorm`` (scale and/or bias over the last
   axis; ``RMSNorm``: scale only), each called once per forward pass, directly or inside
   ``nnx.remat``, ``nnx.scan`` or ``nnx.vmap`` (a stack of layers whose parameters have leading
-  layer axes: statistics per layer of the stack; weights broadcast into the loop are listed as
-  shared, see the module docstring), or used several times directly in the forward pass
-  (weight sharing: every use joins the layer's statistics).
+  layer axes: statistics per layer of the stack; weights applied at every iteration, as a
+  recurrent cell's, get K-FAC-reduce over the iterations, see the module docstring), or used
+  several times directly in the forward pass (weight sharing: every use joins the layer's
+  statistics).
 
   Args:
     loss_fn: scalar training loss of the model output and the targets,
@@ -401,9 +443,8 @@ def value_and_grad_with_stats(
           "for a linen module use thor_optax.flax.value_and_grad_with_stats.")
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     calls, dtypes = _discover(graphdef, params, rest, inputs, call_kwargs)
-    captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params))
-    for path, c in captured.items():
-      c["input_shape"] = calls[path][0].input_shape
+    captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params),
+                                                 weight_sharing=options.weight_sharing)
     forward = functools.partial(_forward, graphdef, rest, inputs, call_kwargs, captured, dtypes)
     loss, grads, stats, new_rest = capture_lib.vjp_with_stats(
         forward, params, captured, unhandled, loss_fn, targets, rng, options)

@@ -244,6 +244,11 @@ class LayerKind(abc.ABC):
     he_rescaled: whether ``rescale_weight_norms`` caps the weight's norm (SP-NGD).
     shares_weights: whether the kind joins several uses of one layer's weights in a forward
       pass into one statistics (:meth:`make_shared_stats`; weight sharing).
+    reduces_steps: whether statistics made from an input averaged over a loop's iterations and
+      output cotangents summed over them are the kind's K-FAC-reduce (statistics linear in the
+      recorded input: dense, ``DenseGeneral``, einsum), so that a layer whose weights a lifted
+      loop applies at every iteration (an ``nn.RNN`` cell) is captured
+      (``step_sharing.py``).
   """
 
   name: str = ""
@@ -256,6 +261,7 @@ class LayerKind(abc.ABC):
   normalized_input: bool = False
   he_rescaled: bool = False
   shares_weights: bool = False
+  reduces_steps: bool = False
 
   def __repr__(self) -> str:
     return f"<layer kind {self.name!r}>"
