@@ -20,6 +20,8 @@ from thor_optax.flax import value_and_grad_with_stats
 
 import reference
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 class _ConvNet(nn.Module):
 
@@ -147,7 +149,8 @@ def test_partition_thor_on_conv_adam_elsewhere(conv_setup):
     updates, state = jax.jit(lambda g, s: tx.update(g, s, params, curvature_stats=stats))(
         grads, state)
   # Conv: THOR's update on the whole model, restricted to the conv layer (it is per layer).
-  full, _ = thor.update(grads, thor.init(params), params, curvature_stats=stats)
+  full, _ = jax.jit(lambda g: thor.update(g, thor.init(params), params,
+                                          curvature_stats=stats))(grads)
   _assert_trees_close(updates["Conv_0"], full["Conv_0"], rtol=1e-5, atol=1e-7)
   # Dense layers: Adam's update.
   adam = optax.adam(1e-2)
@@ -164,9 +167,11 @@ def test_masked_preconditions_only_the_mask(conv_setup):
           for name, sub in params.items()}
   pre = thor_optax.scale_by_thor(0.05, block_size=8)
   tx = optax.masked(pre, mask)
-  updates, state = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+  updates, state = jax.jit(lambda g: tx.update(g, tx.init(params), params,
+                                               curvature_stats=stats))(grads)
   _assert_trees_close(updates["Dense_0"], grads["Dense_0"], rtol=0, atol=0)
-  full, _ = pre.update(grads, pre.init(params), params, curvature_stats=stats)
+  full, _ = jax.jit(lambda g: pre.update(g, pre.init(params), params,
+                                         curvature_stats=stats))(grads)
   for name in ("Conv_0", "Dense_1"):
     _assert_trees_close(updates[name], full[name], rtol=1e-5, atol=1e-7)
   assert set(state.inner_state.diagnostics) == {"Conv_0", "Dense_1"}
@@ -175,7 +180,8 @@ def test_masked_preconditions_only_the_mask(conv_setup):
 def test_tree_map_params_maps_the_momentum_and_keeps_the_curvature_state(conv_setup):
   _, params, grads, stats, _ = conv_setup
   tx = thor_optax.thor(0.1, 0.05, block_size=8)
-  _, state = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+  _, state = jax.jit(lambda g: tx.update(g, tx.init(params), params,
+                                         curvature_stats=stats))(grads)
   mapped = optax.tree_map_params(tx, lambda p: jnp.full_like(p, 7.0), state)
   momentum = optax.tree_utils.tree_get(mapped, "trace")
   assert jax.tree_util.tree_structure(momentum) == jax.tree_util.tree_structure(params)
@@ -199,13 +205,14 @@ def test_train_state_passes_statistics(conv_setup):
   state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
   step = jax.jit(lambda s, g, st: s.apply_gradients(grads=g, curvature_stats=st))
   new = step(state, grads, stats)
-  updates, opt_state = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+  updates, opt_state = jax.jit(lambda g: tx.update(g, tx.init(params), params,
+                                                   curvature_stats=stats))(grads)
   _assert_trees_close(new.params, optax.apply_updates(params, updates), rtol=1e-6, atol=1e-8)
   _assert_trees_close(new.opt_state, opt_state, rtol=1e-6, atol=1e-8)
   assert new.tx is tx and int(new.step) == 1
   # A plain step: the stored inverses, no refresh.
   plain = jax.jit(lambda s, g: s.apply_gradients(grads=g))(new, grads)
-  updates2, _ = tx.update(grads, opt_state, new.params)
+  updates2, _ = jax.jit(lambda g, s, p: tx.update(g, s, p))(grads, opt_state, new.params)
   _assert_trees_close(plain.params, optax.apply_updates(new.params, updates2),
                       rtol=1e-6, atol=1e-8)
   assert int(_kronecker(plain.opt_state)["Conv_0"].total_refreshes) == int(
@@ -227,7 +234,8 @@ def test_layers_the_capture_cannot_precondition_are_named():
   (_, grads), stats = value_and_grad_with_stats(model, _loss)(params, x, y)
   tx = thor_optax.scale_by_thor(0.05, block_size=4)
   with pytest.warns(UserWarning, match=r"LayerNorm_0: called 2 times.*optax.partition"):
-    updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+    updates, _ = jax.jit(lambda g: tx.update(g, tx.init(params), params,
+                                             curvature_stats=stats))(grads)
   _assert_trees_close(updates["LayerNorm_0"], grads["LayerNorm_0"], rtol=0, atol=0)
   for name in ("Dense_0", "Dense_1"):
     assert not np.allclose(updates[name]["kernel"], grads[name]["kernel"])
