@@ -29,6 +29,8 @@ import thor_optax
 from thor_optax import flax as thor_linen
 from thor_optax import nnx as thor_nnx
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 F32 = dict(rtol=2e-5, atol=2e-6)
 
 

@@ -27,6 +27,8 @@ from thor_optax.flax import value_and_grad_with_stats
 from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
 from reference import F64, init_params, softmax_ce
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 REPLICAS = 2
 N = 4  # examples per replica
 T = 3  # tokens per example

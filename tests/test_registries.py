@@ -65,6 +65,8 @@ from reference import F64, block_part, init_params, kron_update, randn, referenc
 from reference import assert_orbax_round_trip, softmax_ce, stacked, unstack
 from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 LAM = 0.05
 RTOL = 1e-9
 BF16 = jnp.bfloat16
