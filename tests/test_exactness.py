@@ -31,6 +31,8 @@ from reference import unstack as _unstack
 from reference import inverse_blocks
 from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 RTOL = 1e-9
 LAM = 0.05

@@ -27,6 +27,8 @@ from reference import softmax_ce, stacked, unstack
 from reference import inverse_blocks, stack_field
 from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 LAM = 0.05
 RTOL = 1e-9
 

@@ -31,6 +31,8 @@ from thor_optax.flax import value_and_grad_with_stats
 
 import public_models as pm
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 # Compiling is most of this file's run time (a check step is a few thousand HLO ops). XLA's
 # backend optimizations and CPU fusion emitters do not change what is computed; without them

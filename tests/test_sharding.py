@@ -20,6 +20,8 @@ import thor_optax
 import reference
 from reference import inverse_blocks
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 # Data-parallel sums run in another order than one device's: equal up to float32 rounding.
 F32 = dict(rtol=1e-5, atol=1e-6)
 
