@@ -182,6 +182,30 @@ def assert_orbax_round_trip(tree, target, directory):
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
+def train_with_capture(capture, tx, params, inputs, targets, steps):
+  """``steps`` jitted steps of ``tx`` on one batch with the capture's statistics every step:
+  ``(params, opt_state, losses)``."""
+  import optax  # pylint: disable=import-outside-toplevel
+
+  @jax.jit
+  def step(params, opt_state):
+    (loss, grads), stats = capture(params, inputs, targets)
+    updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  opt_state, losses = tx.init(params), []
+  for _ in range(steps):
+    params, opt_state, loss = step(params, opt_state)
+    losses.append(float(loss))
+  return params, opt_state, losses
+
+
+def refreshed_layers(opt_state):
+  """Names of the layers whose blocks a check step has refreshed at least once."""
+  return {name for name, d in kronecker_state(opt_state).diagnostics.items()
+          if int(d.total_refreshes) > 0}
+
+
 def kronecker_state(opt_state):
   """The first ``thor_optax.KroneckerState`` in an optimizer state (an alias's is inside its
   ``skip_not_finite`` guard and its chain), or ``None``."""

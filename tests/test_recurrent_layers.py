@@ -23,6 +23,8 @@ import thor_optax
 import thor_optax.flax
 import thor_optax.nnx
 
+import reference
+
 jax.config.update("jax_enable_x64", True)
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -248,23 +250,9 @@ def test_thor_trains_recurrent_networks_with_every_layer_preconditioned():
   params = model.init(jax.random.key(2), x)["params"]
   capture = thor_optax.flax.value_and_grad_with_stats(model, softmax_ce)
   assert jax.eval_shape(capture, params, x, y)[1].unhandled == ()
-  tx = thor_optax.thor(0.1, 0.03)
-  opt_state = tx.init(params)
-
-  @jax.jit
-  def step(params, opt_state):
-    (loss, grads), stats = capture(params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  losses = []
-  for _ in range(8):
-    params, opt_state, loss = step(params, opt_state)
-    losses.append(float(loss))
-  state = next(s for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda v: isinstance(v, thor_optax.KroneckerState))
-               if isinstance(s, thor_optax.KroneckerState))
-  refreshed = {name for name, d in state.diagnostics.items() if int(d.total_refreshes) > 0}
+  _, opt_state, losses = reference.train_with_capture(capture, thor_optax.thor(0.1, 0.03),
+                                                     params, x, y, steps=8)
+  refreshed = reference.refreshed_layers(opt_state)
   gates = {f"LSTMCell_0/{g}" for g in ("ii", "if", "ig", "io", "hi", "hf", "hg", "ho")}
   assert refreshed == gates | {"head"}, refreshed
   assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses

@@ -12,6 +12,8 @@ import pytest
 import thor_optax
 import thor_optax.flax
 
+import reference
+
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 VOCAB, WIDTH, HEADS, N, T = 11, 8, 2, 4, 6
@@ -55,22 +57,9 @@ def test_every_parameter_of_a_tiny_transformer_is_preconditioned():
              for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
   assert set(thor_optax.captured_layers(stats).kinds) == modules
   tx = thor_optax.thor(0.05, 0.03, block_size=8, layers=thor_optax.captured_layers(stats))
-  opt_state = tx.init(params)
-
-  @jax.jit
-  def step(params, opt_state):
-    (loss, grads), stats = capture(params, ids, y)
-    updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  losses = []
-  for _ in range(8):
-    params, opt_state, loss = step(params, opt_state)
-    losses.append(float(loss))
-  state = next(s for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda v: isinstance(v, thor_optax.KroneckerState))
-               if isinstance(s, thor_optax.KroneckerState))
-  blocked = {name for name, d in state.diagnostics.items() if int(d.total_refreshes) > 0}
+  _, opt_state, losses = reference.train_with_capture(capture, tx, params, ids, y, steps=8)
+  blocked = reference.refreshed_layers(opt_state)
+  state = reference.kronecker_state(opt_state)
   unitwise = {name for name, side in state.layers.items() if hasattr(side, "inverse")
               and not np.allclose(side.inverse, np.eye(2))}
   assert blocked | unitwise == modules, modules - blocked - unitwise
