@@ -1,7 +1,7 @@
-"""THOR's per-step costs on the MNIST models: skipped blocks, and the hardware-driven block size.
+"""THOR's per-step costs: skipped blocks, the hardware-driven block size, the plain step's forms.
 
-Two tables per model (the MLP and the CNN of ``benchmarks/mnist.py``, real MNIST digits, batch
-128, timings are medians over ``--repeats`` calls of jitted functions):
+Three tables per model (the MLP and the CNN of ``benchmarks/mnist.py``, real MNIST digits, batch
+128, timings are medians over ``--repeats`` calls of jitted functions), and a sweep:
 
 1. **What a check step costs when the trace rule refreshes all, some or none of the
    blocks.** THOR's claim is that skipped factor blocks cost neither a covariance nor an
@@ -24,13 +24,21 @@ Two tables per model (the MLP and the CNN of ``benchmarks/mnist.py``, real MNIST
    ResNet-50); this table is that measurement on the machine that runs it.
 
 3. **Training steps and their compile times** (public API only): an optax SGD-momentum step, and
-   THOR's plain and check steps (``thor_optax.thor``, block size ``--block-size``, a check that
-   refreshes every block), each the jitted step of ``benchmarks/mnist.py``; compile time is
+   THOR's plain step (from the gradient, and from the rows with ``gradient_stats=``) and check
+   step (``thor_optax.thor``, block size ``--block-size``, a check that refreshes every block),
+   each the jitted step of ``benchmarks/mnist.py``; compile time is
    ``jit(...).lower(...).compile()`` of each step function, median ms of the steps after it.
    With ``--compare PATH`` (a checkout of another version of the package, e.g. a
    ``git worktree`` of an older commit) this table is measured for both versions in one run:
    ``--rounds`` rounds, each running one subprocess per version in alternating order, and the
    table gives the median over rounds of each figure and the ratio new / old.
+
+4. **The plain step from the gradient or from its rows** (sample space, ``gradient_stats=``):
+   an MLP 784-w-w-10 on real digits for a sweep of widths and batch sizes, THOR's plain step
+   with the block products on the gradient matrix and with the factors applied to the rows
+   where the rule picks them (``sample_space.sides``: ``A^-1`` on the rows when the batch is
+   smaller than ``d_G``, ``G^-1`` when smaller than ``d_A``), as multiples of an SGD step;
+   a reader sees where each form wins.
 
 Run::
 
@@ -38,6 +46,7 @@ Run::
     python3 benchmarks/check_step.py --tasks mlp --block-size 64 --block-sizes 32 64 128 --repeats 50
     git worktree add /tmp/before <commit>
     python3 benchmarks/check_step.py --tables steps --compare /tmp/before --rounds 3
+    python3 benchmarks/check_step.py --tables rows --widths 512 --batches 64 256
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ import sys
 import time
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,7 +69,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mnist  # noqa: E402  (the benchmark's models, data and loss)
-from timing import median_ms  # noqa: E402
+from timing import interleaved_ms, median_ms  # noqa: E402
 import thor_optax  # noqa: E402
 from thor_optax.flax import value_and_grad_with_stats  # noqa: E402
 
@@ -126,17 +136,19 @@ class Setup:
     sgd = optax.sgd(0.05, momentum=0.9)
     self.sgd_ms = self.time_training_step(sgd, with_stats=False)
 
-  def time_training_step(self, tx, with_stats: bool) -> float:
-    """ms of a full training step of ``benchmarks/mnist.py`` (check step or plain step)."""
-    check_step, plain_step = mnist.make_steps(self.model, tx)
+  def time_training_step(self, tx, with_stats: bool, sample_space: bool = True) -> float:
+    """ms of a full training step of ``benchmarks/mnist.py`` (check step or plain step; the
+    plain step from the rows where cheaper with ``sample_space``, else from the gradient)."""
+    check_step, plain_step = mnist.make_steps(self.model, tx, sample_space)
     step = check_step if with_stats else plain_step
     state = tx.init(self.params)
     variables = {"params": self.params}
     return median_ms(lambda: step(variables, state, self.x, self.y), self.repeats)
 
-  def compile_and_run(self, tx, with_stats: bool) -> tuple[float, float]:
+  def compile_and_run(self, tx, with_stats: bool,
+                      sample_space: bool = True) -> tuple[float, float]:
     """``(compile seconds, median ms)`` of a training step of ``benchmarks/mnist.py``."""
-    check_step, plain_step = mnist.make_steps(self.model, tx)
+    check_step, plain_step = mnist.make_steps(self.model, tx, sample_space)
     step = check_step if with_stats else plain_step
     args = ({"params": self.params}, tx.init(self.params), self.x, self.y)
     t0 = time.perf_counter()
@@ -148,12 +160,15 @@ class Setup:
 def steps_table(setup: Setup, block_size: int) -> dict[str, float]:
   """Table 3: SGD, THOR plain and THOR check steps (every block refreshed), ms and compile s."""
   out = {}
-  for name, tx, with_stats in (
-      ("sgd", optax.sgd(0.05, momentum=0.9), False),
-      ("thor plain", thor_optax.thor(0.05, DAMPING, block_size=block_size), False),
+  thor = thor_optax.thor(0.05, DAMPING, block_size=block_size)
+  for name, tx, with_stats, sample_space in (
+      ("sgd", optax.sgd(0.05, momentum=0.9), False, False),
+      ("thor plain (gradient)", thor, False, False),
+      ("thor plain (rows)", thor, False, True),
       ("thor check", thor_optax.thor(0.05, DAMPING, block_size=block_size,
-                                     trace_thresholds=(0.0, 0.0)), True)):
-    out[f"{name} compile s"], out[f"{name} ms"] = setup.compile_and_run(tx, with_stats)
+                                     trace_thresholds=(0.0, 0.0)), True, True)):
+    out[f"{name} compile s"], out[f"{name} ms"] = setup.compile_and_run(tx, with_stats,
+                                                                         sample_space)
   return out
 
 
@@ -217,6 +232,60 @@ def block_size_table(setup: Setup, sizes: list[int]) -> list[tuple]:
   return rows
 
 
+class Wide(nn.Module):
+  """784-w-w-10 perceptron with ReLU (table 4)."""
+
+  width: int
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    del train
+    x = nn.relu(nn.Dense(self.width)(x))
+    x = nn.relu(nn.Dense(self.width)(x))
+    return nn.Dense(10)(x)
+
+
+def sample_space_table(widths: list[int], batches: list[int], block_size: int,
+                       repeats: int) -> list[tuple]:
+  """Rows ``(width, batch, SGD ms, plain from the gradient / SGD, plain from the rows / SGD,
+  sides)`` of table 4; ``sides``: per dense layer, which factors the rule applies to the rows
+  (``A``, ``G``, both or ``-``)."""
+  from thor_optax._src import blocks, sample_space  # pylint: disable=import-outside-toplevel
+  train, _ = mnist.load_mnist(seed=0)
+  rows = []
+  for width in widths:
+    model = Wide(width)
+    for batch in batches:
+      x, y = jnp.asarray(train.x[:batch]), jnp.asarray(train.y[:batch])
+      params = model.init(jax.random.PRNGKey(0), x)["params"]
+      variables = {"params": params}
+      thor = thor_optax.thor(0.05, DAMPING, block_size=block_size)
+      calls = {}
+      for name, tx, rows_form in (("sgd", optax.sgd(0.05, momentum=0.9), False),
+                                  ("gradient", thor, False), ("rows", thor, True)):
+        _, plain = mnist.make_steps(model, tx, rows_form)
+        state = tx.init(params)
+        calls[name] = lambda p=plain, s=state: p(variables, s, x, y)
+      ms = interleaved_ms(calls, max(1, repeats // 5))
+      sides = []
+      for spec in blocks.build_layout(params, block_size).layers:
+        side = sample_space.sides(spec, batch)
+        sides.append("AG" if all(side) else "A" if side.a else "G" if side.g else "-")
+      rows.append((width, batch, ms["sgd"], ms["gradient"] / ms["sgd"], ms["rows"] / ms["sgd"],
+                   " ".join(sides)))
+  return rows
+
+
+def print_sample_space_table(widths, batches, block_size, repeats) -> None:
+  print(f"\n4. plain step from the gradient (block products on X) or from the rows (sample "
+        f"space), 784-w-w-10, block size {block_size}, as multiples of an SGD step")
+  print(f"{'width':>6s} {'batch':>6s} {'SGD ms':>8s} {'gradient':>9s} {'rows':>6s}   "
+        "factors on the rows, per layer")
+  for width, batch, sgd, grad, rows, sides in sample_space_table(widths, batches, block_size,
+                                                                 repeats):
+    print(f"{width:6d} {batch:6d} {sgd:8.2f} {grad:9.2f} {rows:6.2f}   {sides}")
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--tasks", nargs="+", default=["mlp", "cnn"], choices=("mlp", "cnn"))
@@ -225,8 +294,12 @@ def main(argv=None) -> None:
                       help="candidates of table 2")
   parser.add_argument("--batch-size", type=int, default=128)
   parser.add_argument("--repeats", type=int, default=30)
-  parser.add_argument("--tables", nargs="+", default=["refresh", "split", "steps"],
-                      choices=("refresh", "split", "steps"))
+  parser.add_argument("--tables", nargs="+", default=["refresh", "split", "steps", "rows"],
+                      choices=("refresh", "split", "steps", "rows"))
+  parser.add_argument("--widths", type=int, nargs="+", default=[256, 512, 1024],
+                      help="hidden widths of table 4")
+  parser.add_argument("--batches", type=int, nargs="+", default=[32, 128, 512, 2048],
+                      help="batch sizes of table 4")
   parser.add_argument("--compare", default=None, metavar="PATH",
                       help="another checkout of the package: table 3 for both, in one run")
   parser.add_argument("--rounds", type=int, default=3, help="rounds of --compare")
@@ -251,6 +324,8 @@ def main(argv=None) -> None:
       print_refresh_table(setup, task, args.block_size, args.batch_size)
     if "split" in args.tables:
       print_split_table(setup, task, args.block_sizes)
+  if "rows" in args.tables:
+    print_sample_space_table(args.widths, args.batches, args.block_size, args.repeats)
 
 
 def print_refresh_table(setup: Setup, task: str, block_size: int, batch_size: int) -> None:

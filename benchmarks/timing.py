@@ -18,3 +18,21 @@ def median_ms(fn: Callable[[], Any], repeats: int) -> float:
     times.append(time.perf_counter() - t0)
   times.sort()
   return 1e3 * times[len(times) // 2]
+
+
+def interleaved_ms(fns: dict[str, Callable[[], Any]], repeats: int,
+                   rounds: int = 5) -> dict[str, float]:
+  """Median wall time in milliseconds of each of ``fns`` (name -> zero-argument call), timed
+  in ``rounds`` alternating rounds of ``repeats`` calls each after one warm-up call apiece, so
+  that a change in the machine's load during the measurement touches every function alike."""
+  import jax  # pylint: disable=import-outside-toplevel
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  times: dict[str, list] = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times[name].append(time.perf_counter() - t0)
+  return {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}

@@ -3,7 +3,8 @@
 The training step is pmapped as Flax's ImageNet example does (``jax.pmap(step,
 axis_name='batch')``, gradients and loss ``jax.lax.pmean``-ed in the step), on 2 of the 4 host
 CPU devices of the test processes (``conftest.py``). With ``axis_name='batch'`` the two
-replicas' parameters and optimizer states stay identical bit for bit over check and plain steps,
+replicas' parameters and optimizer states stay identical bit for bit over check and plain steps
+(a plain step in sample space too: each replica's product of rows, averaged across replicas),
 and equal, in float64, one device training on the concatenated batch; for THOR (trace rule,
 blocks of 8), K-FAC (running average, inverse period), SKFAC (low-rank Woodbury forms inverted
 from the gathered rows, Cholesky for the others) and SP-NGD (adaptive refresh, pi damping), on a
@@ -34,7 +35,9 @@ N = 4  # examples per replica
 T = 3  # tokens per example
 VOCAB = 11
 CLASSES = 6  # Dense_1's G: 4 rows per replica < 6 <= 8 rows in all (SKFAC's 'auto': Cholesky)
-STEPS = ("check", "plain", "check", "check", "plain", "check")
+# "sample": a plain step preconditioned in sample space from its batch's rows
+# (gradient_stats=): each replica's product of rows, averaged across replicas.
+STEPS = ("check", "plain", "check", "check", "sample", "check")
 LR, LAM = 0.2, 0.03
 # One device sums the whole batch in another order than two replicas plus an all-reduce.
 TOL = 1e-10
@@ -82,25 +85,27 @@ def _init():
 
 
 def _step_fns(tx, axis):
-  """``(check, plain)``: ``(params, opt_state, model_state, ids, labels) -> (params,
-  opt_state, loss)``, gradients and loss ``pmean``-ed over ``axis`` when it is set."""
+  """``{kind: step}`` for the kinds of ``STEPS``: ``(params, opt_state, model_state, ids,
+  labels) -> (params, opt_state, loss)``, gradients and loss ``pmean``-ed over ``axis`` when it
+  is set."""
   capture = value_and_grad_with_stats(Net(bn_axis=axis), softmax_ce)
 
-  def step(params, opt_state, model_state, ids, labels, with_stats):
+  def step(params, opt_state, model_state, ids, labels, stats_as):
     (loss, grads), stats, _ = capture(params, ids, labels, model_state=model_state,
                                       mutable=["batch_stats"])
     if axis is not None:
       grads, loss = jax.lax.pmean((grads, loss), axis)
-    extra = dict(curvature_stats=stats) if with_stats else {}
+    extra = {stats_as: stats} if stats_as else {}
     updates, opt_state = tx.update(grads, opt_state, params, **extra)
     return optax.apply_updates(params, updates), opt_state, loss
 
+  kinds = {"check": "curvature_stats", "plain": None, "sample": "gradient_stats"}
   if axis is None:
-    mapped = [jax.jit(functools.partial(step, with_stats=s)) for s in (True, False)]
+    mapped = {k: jax.jit(functools.partial(step, stats_as=s)) for k, s in kinds.items()}
   else:
-    mapped = [jax.pmap(functools.partial(step, with_stats=s), axis_name=axis,
-                       devices=jax.devices()[:REPLICAS]) for s in (True, False)]
-  return tuple(_compiled_once(f) for f in mapped)
+    mapped = {k: jax.pmap(functools.partial(step, stats_as=s), axis_name=axis,
+                          devices=jax.devices()[:REPLICAS]) for k, s in kinds.items()}
+  return {k: _compiled_once(f) for k, f in mapped.items()}
 
 
 def _compiled_once(mapped):
@@ -122,7 +127,7 @@ def _train(name, axis):
   params, model_state = _init()
   tx = CONFIGS[name](axis)
   opt_state = tx.init(params)
-  steps = dict(zip(("check", "plain"), _step_fns(tx, axis)))
+  steps = _step_fns(tx, axis)
   if axis is not None:
     params, opt_state, model_state = jax.tree.map(
         lambda a: jnp.stack([a] * REPLICAS), (params, opt_state, model_state))

@@ -358,32 +358,46 @@ def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
                      unhandled: Mapping[tuple[Any, ...], str],
                      layer_inputs: Mapping[tuple[Any, ...], jax.Array],
                      cts: Mapping[tuple[Any, ...], jax.Array],
-                     num_terms: int, weight_sharing: str) -> stats_lib.CurvatureStats:
+                     num_terms: int, weight_sharing: str,
+                     empirical: bool) -> stats_lib.CurvatureStats:
   """Each captured layer's statistics, built by its kind from the recorded inputs (``x_hat``
   for normalization layers) and the per-example output cotangents; a stack of layers
-  (``stack=(L,)``) gets its kind's statistics with a leading ``L`` axis on every field."""
+  (``stack=(L,)``) gets its kind's statistics with a leading ``L`` axis on every field.
+  ``empirical``: the cotangents are the training loss's own (one sample), so layers whose
+  rows give their gradient are listed in ``exact_rows``."""
   layers: Any = {}
+  exact = []
   for path, c in captured.items():
+    kind = c["kind"]
     if c["steps"]:  # shared over a loop's iterations: the channels' sums
       layers = _set_nested(layers, path, step_sharing.stats(
-          c["kind"], c["meta"], layer_inputs[path], cts[path].cotangents, num_terms))
+          kind, c["meta"], layer_inputs[path], cts[path].cotangents, num_terms))
       continue
     if c["uses"]:  # weight sharing: one statistics of every use
-      kind = c["kind"]
-      joined = kind.make_shared_stats(tuple(u.method for u in c["uses"]), layer_inputs[path],
-                                      cts[path], **c["meta"])
-      layers = _set_nested(layers, path, kind.per_loss_term(joined, num_terms, weight_sharing))
-      continue
+      raw = kind.make_shared_stats(tuple(u.method for u in c["uses"]), layer_inputs[path],
+                                   cts[path], **c["meta"])
+      folded = kind.per_loss_term(raw, num_terms, weight_sharing)
+    else:
+      def make(x, g, kind=kind, meta=c["meta"]):
+        raw = kind.make_stats(x, g, **meta)
+        return raw, kind.per_loss_term(raw, num_terms, weight_sharing)
 
-    def make(x, g, kind=c["kind"], meta=c["meta"]):
-      return kind.per_loss_term(kind.make_stats(x, g, **meta), num_terms, weight_sharing)
-
-    for _ in c["stack"]:  # inputs (L, N, ...), cotangents (S, L, N, ...)
-      make = jax.vmap(make, in_axes=(0, 1))
-    layers = _set_nested(layers, path, make(layer_inputs[path], cts[path]))
+      for _ in c["stack"]:  # inputs (L, N, ...), cotangents (S, L, N, ...)
+        make = jax.vmap(make, in_axes=(0, 1))
+      raw, folded = make(layer_inputs[path], cts[path])  # ``raw`` is dead code under jit
+    layers = _set_nested(layers, path, folded)
+    if empirical and kind.gradient_from_rows and _same_sizes(raw, folded):
+      exact.append(path_name(path))
   notes = tuple(f"{path_name(p)}: {why}"
                 for p, why in sorted(unhandled.items(), key=lambda kv: path_name(kv[0])))
-  return stats_lib.CurvatureStats(layers=layers, unhandled=notes)
+  return stats_lib.CurvatureStats(layers=layers, unhandled=notes, exact_rows=tuple(sorted(exact)),
+                                  num_loss_terms=num_terms)
+
+
+def _same_sizes(raw: Any, folded: Any) -> bool:
+  """Whether folding the positions per loss term kept every row (K-FAC-expand, or no
+  positions), rather than averaging them away (K-FAC-reduce)."""
+  return [x.size for x in jax.tree.leaves(raw)] == [x.size for x in jax.tree.leaves(folded)]
 
 
 def loss_terms(outputs: Any, options: "FisherOptions") -> int:
@@ -484,7 +498,7 @@ def vjp_with_stats(
                                 options.likelihood, options.num_samples, rng)
     cts = jax.vmap(lambda ct: vjp_fn(ct)[1])(out_cts)
   stats = _curvature_stats(captured, unhandled, layer_inputs, cts, num_terms,
-                           options.weight_sharing)
+                           options.weight_sharing, options.fisher_type == "empirical")
   return loss, grads, stats, aux
 
 

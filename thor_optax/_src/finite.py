@@ -20,12 +20,27 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from thor_optax._src import stats as stats_lib
+
 
 def all_finite(tree: Any) -> jax.Array:
   """Bool scalar: every entry of every inexact leaf of ``tree`` is finite (True if none)."""
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
             if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _gradient_finite(grads: Any, gradient_stats: Any) -> jax.Array:
+  """Whether the gradient is finite, outside the layers a plain step may precondition from
+  their rows (``gradient_stats.exact_rows``). Those are judged by their update alone, which is
+  not finite when their rows are not: their kernel gradient is not read, so under jit its GEMM
+  is never computed."""
+  exact = frozenset(getattr(gradient_stats, "exact_rows", ()))
+  if not exact:
+    return all_finite(grads)
+  flat, _ = jax.tree_util.tree_flatten_with_path(grads)
+  return all_finite([leaf for path, leaf in flat
+                     if stats_lib.layer_name(stats_lib.path_keys(path)[:-1]) not in exact])
 
 
 def skip_not_finite(inner: optax.GradientTransformation
@@ -43,6 +58,12 @@ def skip_not_finite(inner: optax.GradientTransformation
     (int32 scalar: skipped steps in all) and ``inner_state``. A skipped step returns updates of
     zeros (shapes and dtypes of the gradient) and ``inner_state`` unchanged.
 
+  With ``gradient_stats=`` (a plain step preconditioned in sample space) the gradient leaves of
+  the layers listed in the statistics' ``exact_rows`` are judged by their update alone: it is
+  computed from the layer's rows (or from its gradient), so it is not finite when they are
+  not, and their kernel gradient, not read, is then never computed under jit. Every other
+  gradient leaf, and the whole update, are checked as always.
+
   Unlike ``optax.apply_if_finite`` the update is checked too, and the wrapper never gives up:
   read ``notfinite_count`` (e.g. ``optax.tree_utils.tree_get(opt_state, 'notfinite_count')``)
   to stop a run whose steps keep failing.
@@ -58,7 +79,7 @@ def skip_not_finite(inner: optax.GradientTransformation
 
   def update_fn(updates, state, params=None, **extra_args):
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
-    finite = all_finite(updates) & all_finite(new_updates)
+    finite = _gradient_finite(updates, extra_args.get("gradient_stats")) & all_finite(new_updates)
     # select(p, x, x) folds to x under jit: leaves the step left alone cost nothing here.
     # (lax.select keeps typed PRNG keys; jnp.where would turn them into their key data.)
     inner_state = jax.tree_util.tree_map(lambda new, old: jax.lax.select(finite, new, old),

@@ -71,7 +71,9 @@ def concatenate_stats(*stats: stats_lib.CurvatureStats) -> stats_lib.CurvatureSt
 
   Returns:
     a :class:`CurvatureStats` equal to the statistics of the concatenated batch (factors average
-    over all its examples); ``unhandled`` is the union of the micro-batches' notes.
+    over all its examples); ``unhandled`` is the union of the micro-batches' notes,
+    ``exact_rows`` the layers exact in every micro-batch and ``num_loss_terms`` their sum (the
+    gradient of the micro-batches' mean loss is ``a^T g / sum M_i``).
 
   Raises:
     ValueError: if no statistics are given, the micro-batches' layers differ, or a layer's
@@ -92,4 +94,9 @@ def concatenate_stats(*stats: stats_lib.CurvatureStats) -> stats_lib.CurvatureSt
       *[s.layers if isinstance(s, stats_lib.CurvatureStats) else s for s in stats],
       is_leaf=stats_lib.is_layer_stats)
   notes = tuple(sorted({note for s in stats for note in getattr(s, "unhandled", ())}))
-  return stats_lib.CurvatureStats(layers=layers, unhandled=notes)
+  whole = [s for s in stats if isinstance(s, stats_lib.CurvatureStats)]
+  exact = (set.intersection(*(set(s.exact_rows) for s in whole))
+           if len(whole) == len(stats) else set())
+  return stats_lib.CurvatureStats(
+      layers=layers, unhandled=notes, exact_rows=tuple(sorted(exact)),
+      num_loss_terms=sum(s.num_loss_terms for s in whole) if exact else 1)

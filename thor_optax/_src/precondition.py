@@ -12,13 +12,15 @@ References:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
 from thor_optax._src import blocks
 from thor_optax._src import explicit
+from thor_optax._src import replicas
+from thor_optax._src import sample_space
 from thor_optax._src import stats as stats_lib
 
 
@@ -28,7 +30,8 @@ def _slot_blocks(state: Any, slot: blocks.FactorSlot) -> Any:
 
 
 def layer_update(spec: Any, leaves: dict, blocks_of: dict, side: Any, cfg: Any,
-                 lam: jax.Array, dtype: jnp.dtype, ready: Any) -> dict:
+                 lam: jax.Array, dtype: jnp.dtype, ready: Any, rows: Any = None,
+                 num_loss_terms: int = 1) -> dict:
   """One layer's preconditioned gradient leaves (run per layer of a stack under ``vmap``).
 
   Args:
@@ -37,14 +40,20 @@ def layer_update(spec: Any, leaves: dict, blocks_of: dict, side: Any, cfg: Any,
     blocks_of: ``{'a': ..., 'g': ...}`` the per-block inverse state of its factors.
     side: its side curvature state, or ``None``.
     cfg, lam, dtype, ready: as in :func:`precondition`.
+    rows: the layer's statistics when it is preconditioned in sample space (its kernel and
+      bias gradients are then not read), else ``None``.
+    num_loss_terms: ``M`` of those statistics.
   """
   if spec.g is None:
     return spec.kind.side_precondition(spec, leaves, side, dtype)
-  x = spec.kind.to_matrix(spec, leaves, dtype)
   a = (cfg.group_method(spec.a.group).operator(blocks_of["a"]) if spec.a is not None
        else spec.kind.a_operator(spec, side, cfg.method))
   g = cfg.group_method(spec.g.group).operator(blocks_of["g"])
-  y = cfg.method.precondition(x, a, g, jnp.asarray(lam, dtype), ready)
+  if rows is not None:
+    y = sample_space.layer_update(spec, rows, a, g, num_loss_terms, dtype)
+  else:
+    x = spec.kind.to_matrix(spec, leaves, dtype)
+    y = cfg.method.precondition(x, a, g, jnp.asarray(lam, dtype), ready)
   return spec.kind.from_matrix(spec, y, leaves)
 
 
@@ -56,7 +65,8 @@ def _ready(state: Any, spec: Any) -> jax.Array:
 
 
 def precondition(updates: Any, state: Any, layout: blocks.BlockLayout, cfg: Any,
-                 lam: jax.Array, dtype: jnp.dtype) -> Any:
+                 lam: jax.Array, dtype: jnp.dtype, rows: Optional[dict] = None,
+                 num_loss_terms: int = 1) -> Any:
   """Applies the stored curvature of ``state`` (a ``KroneckerState``) to a gradient tree.
 
   Args:
@@ -66,6 +76,10 @@ def precondition(updates: Any, state: Any, layout: blocks.BlockLayout, cfg: Any,
     cfg: the transform's pieces (inverse method per group).
     lam: ``lambda`` at this step (eigh adds it to the eigenvalue products).
     dtype: the curvature's dtype (gradients are cast to it and back).
+    rows: ``{layer name: statistics}`` of the layers preconditioned in sample space
+      (``sample_space.layers_with_rows``; a stack's flattened to ``(copies, ...)``), whose
+      gradient leaves are then not read; ``None``: every layer from its gradient.
+    num_loss_terms: ``M`` of those statistics.
 
   Returns:
     a tree like ``updates``; under an explicit-sharding mesh every preconditioned leaf has the
@@ -85,16 +99,20 @@ def precondition(updates: Any, state: Any, layout: blocks.BlockLayout, cfg: Any,
                  if slot is not None}
     side = state.layers.get(spec.name)
     one = spec.one_layer()
+    layer_rows = (rows or {}).get(spec.name)
 
-    def apply(leaves, blocks_of, side, one=one):
-      return layer_update(one, leaves, blocks_of, side, cfg, lam, dtype, ready)
+    def apply(leaves, blocks_of, side, layer_rows, one=one):
+      new = layer_update(one, leaves, blocks_of, side, cfg, lam, dtype, ready, layer_rows,
+                         num_loss_terms)
+      return new if layer_rows is None else replicas.mean(new, cfg.axis_name)
 
     if spec.stack:
       new = jax.vmap(apply)(spec.flat_stack(leaves), jax.tree.map(
-          lambda v, c=spec.copies: v.reshape((c, -1) + v.shape[1:]), blocks_of), side)
+          lambda v, c=spec.copies: v.reshape((c, -1) + v.shape[1:]), blocks_of), side,
+          layer_rows)
       new = spec.unflat_stack(new, leaves)
     else:
-      new = apply(leaves, blocks_of, side)
+      new = apply(leaves, blocks_of, side, layer_rows)
     new_leaves.update({spec.path + (name,): explicit.reshard_like(leaf, given[name])
                        for name, leaf in new.items()})
 

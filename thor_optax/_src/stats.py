@@ -50,11 +50,25 @@ class CurvatureStats:
       ``layers['Block_0']['Dense_1']`` for ``params['Block_0']['Dense_1']``).
     unhandled: static tuple of ``"path: reason"`` strings naming modules with parameters that
       were not captured; their gradients pass through the transforms unchanged.
+    exact_rows: static sorted tuple of layer names (``'Block_0/Dense_1'``) whose statistics are
+      the rows behind the layer's gradient: its gradient matrix is ``a^T g / num_loss_terms``
+      with ``a (R, d_A)`` and ``g (R, d_G)`` the kind's input and cotangent rows
+      (``LayerKind.input_rows`` / ``cotangent_rows``), row for row. True for an empirical
+      Fisher (one cotangent sample, the training loss's own) of a kind with
+      ``gradient_from_rows`` when the layer's positions were not reduced (``weight_sharing``)
+      and its weights are not shared over a loop's iterations. A plain step given these
+      statistics as ``gradient_stats=`` preconditions such layers in sample space
+      (``sample_space.py``).
+    num_loss_terms: static int, the number of terms ``M`` the loss averages (1 for a summed
+      loss); cotangents are ``M`` times the loss's.
   """
 
   layers: Mapping[str, Any]
   unhandled: tuple[str, ...] = dataclasses.field(
       default=(), metadata=dict(static=True))
+  exact_rows: tuple[str, ...] = dataclasses.field(
+      default=(), metadata=dict(static=True))
+  num_loss_terms: int = dataclasses.field(default=1, metadata=dict(static=True))
 
 
 is_layer_stats = layers_lib.is_layer_stats

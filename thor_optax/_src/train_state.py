@@ -38,6 +38,7 @@ class TrainState(train_state.TrainState):
 
   def apply_gradients(self, *, grads: Any,
                       curvature_stats: Optional[stats_lib.CurvatureStats] = None,
+                      gradient_stats: Optional[stats_lib.CurvatureStats] = None,
                       **kwargs: Any) -> "TrainState":
     """One optimizer step: ``tx.update`` (with the statistics, if given), then apply updates.
 
@@ -46,6 +47,9 @@ class TrainState(train_state.TrainState):
       curvature_stats: the statistics of this step's batch (``value_and_grad_with_stats``) on a
         check step, passed to ``tx.update`` as ``curvature_stats=``; ``None`` on a
         plain step.
+      gradient_stats: on a plain step, optionally the statistics of its batch, passed as
+        ``gradient_stats=``: layers narrower in rows than in block dimensions are then
+        preconditioned in sample space (cheaper; the same update).
       **kwargs: further fields to ``replace`` (as Flax's ``apply_gradients``).
 
     Returns:
@@ -57,11 +61,14 @@ class TrainState(train_state.TrainState):
       ValueError: from the preconditioner, for statistics of another model (the message names
         the layer).
     """
-    if curvature_stats is None:
+    given = {name: value for name, value in (("curvature_stats", curvature_stats),
+                                             ("gradient_stats", gradient_stats))
+             if value is not None}
+    if not given:
       return super().apply_gradients(grads=grads, **kwargs)
     tx = self.tx
     with_stats = optax.GradientTransformationExtraArgs(
-        tx.init, functools.partial(tx.update, curvature_stats=curvature_stats))
+        tx.init, functools.partial(tx.update, **given))
     # Flax's apply_gradients with ``tx`` bound to the statistics; ``tx=tx`` puts the original
     # transformation back into the returned state.
     return train_state.TrainState.apply_gradients(

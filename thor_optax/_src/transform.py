@@ -24,7 +24,12 @@ seed papers are options of it, not separate code paths:
   ``A``); then the gradient is preconditioned;
 * without statistics (a *plain step*): the gradient is preconditioned with the stored inverses
   (``precondition.py``). Nothing else runs, so the step costs a first-order step plus two
-  block-diagonal products per layer.
+  block-diagonal products per layer;
+* a plain step given its batch's statistics as ``gradient_stats=`` (no refresh) applies each
+  factor of a dense layer to the layer's rows instead where that is cheaper, i.e. when the
+  batch has fewer rows than the other factor's dimension (``sample_space.py``): the same
+  update, about ``d / R`` times fewer FLOPs for the products, and the kernel gradient's GEMM
+  is replaced by the product of the preconditioned rows.
 
 For a layer with kernel gradient ``dW`` (as a ``(d_in (+1 bias row), d_out)`` matrix) the update
 is ``(A + d_A I)^-1 dW (G + d_G I)^-1`` with both inverses block-diagonal, i.e.
@@ -65,6 +70,7 @@ from thor_optax._src import explicit
 from thor_optax._src import inverses
 from thor_optax._src import precondition as precondition_lib
 from thor_optax._src import replicas
+from thor_optax._src import sample_space
 from thor_optax._src import stats as stats_lib
 from thor_optax._src.accumulators import current_batch
 from thor_optax._src.accumulators import running_average
@@ -283,7 +289,9 @@ def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtr
       return _placeholder_state()
     return init_state(cfg.layout(params), _state_dtype(params, cfg.dtype), cfg)
 
-  def update_fn(updates, state, params=None, *, curvature_stats=None, **extra_args):
+  def update_fn(updates, state, params=None, *, curvature_stats=None, gradient_stats=None,
+                **extra_args):
+    # curvature_stats: a check step; gradient_stats: a plain step from the rows (sample space).
     del params, extra_args
     layout = cfg.layout(updates)
     _check_state_matches(layout, state, cfg)
@@ -296,8 +304,13 @@ def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtr
     if curvature_stats is not None:
       state = check_lib.check_step(state, layout, curvature_stats, lam, cfg,
                                    _masked_modules(updates))
+    rows, num_loss_terms = None, 1
+    if gradient_stats is not None:
+      layout, rows = sample_space.layers_with_rows(gradient_stats, layout, cfg,
+                                                   _masked_modules(updates))
+      num_loss_terms = gradient_stats.num_loss_terms
     updates = precondition_lib.precondition(updates, state, layout, cfg, lam,
-                                            check_lib.state_dtype(state))
+                                            check_lib.state_dtype(state), rows, num_loss_terms)
     state = jax.tree.map(explicit.reshard_like, state, given)
     return updates, state._replace(count=optax.safe_int32_increment(state.count))
 
@@ -337,7 +350,15 @@ def scale_by_thor(
 
   Call ``update(grads, state, params, curvature_stats=stats)`` on check steps (statistics from
   ``thor_optax.flax.value_and_grad_with_stats``) and ``update(grads, state, params)`` on the
-  others; :class:`thor_optax.CheckSchedule` says which is which.
+  others; :class:`thor_optax.CheckSchedule` says which is which. A plain step may pass its
+  batch's statistics as ``update(grads, state, params, gradient_stats=stats)``: nothing is
+  refreshed, and every dense layer whose batch has fewer rows ``R`` (examples x positions) than
+  a factor's other dimension gets that factor applied to its ``(R, d)`` rows instead of the
+  ``(d_A, d_G)`` gradient (``(a A^-1)^T (g G^-1) / M``, the same update; about ``d / R``
+  times fewer FLOPs, and under ``jax.jit`` the layer's kernel gradient is never computed).
+  Only layers listed in the statistics' ``exact_rows`` (empirical Fisher, positions not
+  reduced) and inverse methods applied factor by factor (not ``'eigh'``) qualify; the others
+  use the gradient. Under ``axis_name`` the products are averaged across replicas.
 
   Args:
     damping: ``lambda``, a positive float or a schedule of the step count; ``sqrt(lambda)`` is
@@ -425,9 +446,11 @@ def scale_by_thor(
     the layout it was given (see :func:`thor_optax.kronecker_state_sharding`).
 
   Raises:
+    TypeError: in ``update``, when ``gradient_stats`` is not a ``CurvatureStats``.
     ValueError: on invalid hyperparameters or combinations (at construction, e.g. an
       ``axis_name`` that is not a string or tuple of strings); in ``update``,
-      when statistics name a layer with no weights in the gradients, do not fit a layer's
+      when statistics (``curvature_stats`` or ``gradient_stats``) name a layer with no weights
+      in the gradients, do not fit a layer's
       weights (the message names the layer path and the expected shape), have more rows than
       ``woodbury_rows``, or the state was built for other parameters; in a check step traced
       inside a named mapped axis (``jax.pmap``, which always binds one, ``jax.shard_map``, a

@@ -249,6 +249,11 @@ class LayerKind(abc.ABC):
       recorded input: dense, ``DenseGeneral``, einsum), so that a layer whose weights a lifted
       loop applies at every iteration (an ``nn.RNN`` cell) is captured
       (``step_sharing.py``).
+    gradient_from_rows: whether the weight's gradient matrix (:meth:`to_matrix`) is
+      ``scale a^T g`` with ``a, scale`` from :meth:`input_rows` and ``g`` from
+      :meth:`cotangent_rows`, row for row, when the statistics are an empirical Fisher's with
+      positions not reduced (dense, ``DenseGeneral``, einsum): a plain step may then
+      precondition the layer in sample space (``sample_space.py``).
   """
 
   name: str = ""
@@ -262,6 +267,7 @@ class LayerKind(abc.ABC):
   he_rescaled: bool = False
   shares_weights: bool = False
   reduces_steps: bool = False
+  gradient_from_rows: bool = False
 
   def __repr__(self) -> str:
     return f"<layer kind {self.name!r}>"

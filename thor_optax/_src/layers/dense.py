@@ -101,6 +101,7 @@ class Dense(base.LayerKind):
   he_rescaled = True
   shares_weights = True
   reduces_steps = True
+  gradient_from_rows = True
 
   def make_shared_stats(self, methods, inputs, cotangents, **meta):
     """Every call's positions side by side: inputs ``(N, P_1 + P_2 + ..., d_in)``,

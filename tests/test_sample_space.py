@@ -1,0 +1,313 @@
+"""Plain steps preconditioned in sample space: ``update(..., gradient_stats=stats)``.
+
+A dense layer's gradient is ``a^T g / M``, so ``A^-1 X G^-1 = (a A^-1)^T (g G^-1) / M`` needs no
+product with the ``(d_A, d_G)`` gradient matrix. In float64 the update from the rows equals the
+update from the gradient (block products on ``X``, checked against dense references in
+``test_exactness.py``) to 1e-12: on an MLP whose layers take each side combination (both factors
+on the rows, one, none), on attention and a language-model head (``DenseGeneral``, a loss per
+position), on a scanned stack, with a summed loss, and with micro-batch statistics joined by
+``concatenate_stats``. Layers whose statistics are not the gradient's rows (K-FAC-reduce over
+positions, a sampled Fisher) and methods that do not apply the factors one by one (``'eigh'``)
+fall back to the block products. Compiled, the step does not compute the kernel gradients its
+update does not read (FLOPs from XLA's cost analysis), and the aliases' guard still skips a step
+whose rows are not finite. Under ``jax.pmap`` see ``test_pmap.py``.
+"""
+
+import dataclasses
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import thor_optax
+from thor_optax._src import blocks
+from thor_optax._src import sample_space
+from thor_optax.flax import TrainState, value_and_grad_with_stats
+from thor_optax.nnx import value_and_grad_with_stats as nnx_value_and_grad_with_stats
+from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
+from reference import F64, init_params, kronecker_state, randn, softmax_ce
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+N = 16  # rows of the MLP's layers
+TOL = 1e-12
+
+
+class MLP(nn.Module):
+  """Rows ``R = 16``: ``Dense_0`` (151 x 300) and ``Dense_1`` (300 x 200, no bias) take both
+  factors on the rows, ``Dense_2`` (201 x 10) only ``G``, ``Dense_3`` (5 x 10) neither."""
+
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(dtype=F64, param_dtype=F64)
+    h = nn.relu(nn.Dense(300, **kw)(x))
+    h = nn.relu(nn.Dense(200, use_bias=False, **kw)(h))
+    return nn.Dense(10, **kw)(h) + nn.Dense(10, **kw)(x[:, :4])
+
+
+def _mlp_setup():
+  model = MLP()
+  x = jnp.asarray(randn(0, (N, 150)))
+  y = jnp.asarray(np.arange(N) % 10)
+  return model, init_params(model, x), x, y
+
+
+def _refreshed(tx, capture, params, x, y):
+  """The optimizer state after one check step on ``(x, y)``."""
+  (_, grads), stats = capture(params, x, y)
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params, curvature_stats=stats)
+  return state
+
+
+def _both_forms(tx, state, capture, params, x, y):
+  """``(from the gradient, from the rows, gradient)`` of a plain step after ``state``."""
+  (_, grads), stats = capture(params, x, y)
+  update = jax.jit(tx.update)
+  block, _ = update(grads, state, params)
+  rows, _ = update(grads, state, params, gradient_stats=stats)
+  return block, rows, grads
+
+
+def _relative(a, b):
+  """Largest difference per layer relative to the layer's largest entry (a layer's leaves
+  together: an attention key's bias gets a zero gradient, its update is rounding)."""
+  diff, scale = {}, {}
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+    layer = jax.tree_util.keystr(path[:-1])
+    diff[layer] = max(diff.get(layer, 0.0), float(np.max(np.abs(np.asarray(x) - np.asarray(y)))))
+    scale[layer] = max(scale.get(layer, 0.0), float(np.max(np.abs(np.asarray(x)))))
+  return max(diff[k] / scale[k] for k in diff)
+
+
+def _assert_same_update(block, rows, grads):
+  assert jax.tree.structure(block) == jax.tree.structure(rows)
+  assert _relative(block, rows) < TOL
+  assert _relative(block, grads) > 0.1  # the curvature did change the gradient
+
+
+def test_mlp_rows_give_the_block_products_update_on_each_side_combination():
+  model, params, x, y = _mlp_setup()
+  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  tx = thor_optax.scale_by_thor(0.05, block_size=64)
+  state = _refreshed(tx, capture, params, x, y)
+  x2 = jnp.asarray(randn(1, (N, 150)))  # the plain step's batch is another one
+  block, rows, grads = _both_forms(tx, state, capture, params, x2, y)
+  _assert_same_update(block, rows, grads)
+  _, stats = capture(params, x2, y)
+  assert stats.exact_rows == ("Dense_0", "Dense_1", "Dense_2", "Dense_3")
+  assert stats.num_loss_terms == N
+  specs = {spec.name: spec for spec in blocks.build_layout(params, 64).layers}
+  want = {"Dense_0": (True, True), "Dense_1": (True, True), "Dense_2": (False, True),
+          "Dense_3": (False, False)}
+  assert {name: tuple(sample_space.sides(specs[name], N)) for name in want} == want
+
+
+class Attention(nn.Module):
+  """Embedding, self-attention (``DenseGeneral`` projections), a dense block and a head;
+  ``per_position``: logits ``(N, T, V)`` (a language model), else pooled ``(N, V)``."""
+
+  per_position: bool = True
+
+  @nn.compact
+  def __call__(self, ids):
+    kw = dict(dtype=F64, param_dtype=F64)
+    h = nn.Embed(12, 16, **kw)(ids)
+    h = h + nn.MultiHeadDotProductAttention(num_heads=2, **kw)(h)
+    h = h + nn.Dense(16, **kw)(nn.gelu(nn.Dense(40, **kw)(h)))
+    if not self.per_position:
+      h = h.mean(axis=1)
+    return nn.Dense(12, name="head", **kw)(h)
+
+
+def _attention_setup(per_position):
+  model = Attention(per_position)
+  ids = jnp.asarray(np.random.default_rng(3).integers(0, 12, (2, 5)))
+  targets = jnp.roll(ids, -1, axis=1) if per_position else ids[:, 0]
+  return model, init_params(model, ids), ids, targets
+
+
+def test_attention_and_a_language_model_head_with_a_loss_per_position():
+  model, params, ids, targets = _attention_setup(per_position=True)
+  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  _, stats = capture(params, ids, targets)
+  layers = thor_optax.captured_layers(stats)
+  tx = thor_optax.scale_by_thor(0.05, block_size=8, layers=layers)
+  state = _refreshed(tx, capture, params, ids, targets)
+  block, rows, grads = _both_forms(tx, state, capture, params, ids[::-1], targets[::-1])
+  _assert_same_update(block, rows, grads)
+  assert stats.num_loss_terms == 10  # N T: every position is a row (K-FAC-expand)
+  projections = {f"MultiHeadDotProductAttention_0/{p}" for p in ("query", "key", "value", "out")}
+  assert projections | {"Dense_0", "Dense_1", "head"} == set(stats.exact_rows)
+
+
+def test_reduced_positions_and_sampled_fisher_fall_back_to_the_gradient():
+  model, params, ids, labels = _attention_setup(per_position=False)
+  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))  # 'auto': reduce
+  _, stats = capture(params, ids, labels)
+  assert stats.exact_rows == ("head",)  # after pooling: one row per example
+  tx = thor_optax.scale_by_thor(0.05, block_size=8, layers=thor_optax.captured_layers(stats))
+  state = _refreshed(tx, capture, params, ids, labels)
+  block, rows, grads = _both_forms(tx, state, capture, params, ids[::-1], labels[::-1])
+  _assert_same_update(block, rows, grads)
+  sampled = value_and_grad_with_stats(model, softmax_ce, fisher_type="sampled",
+                                      likelihood="softmax_cross_entropy")
+  _, stats = jax.eval_shape(lambda: sampled(params, ids, labels, rng=jax.random.PRNGKey(0)))
+  assert stats.exact_rows == ()
+
+
+class Scanned(nn.Module):
+  """Three residual dense blocks under ``nn.scan`` over ``nn.remat``, then a head."""
+
+  @nn.compact
+  def __call__(self, x):
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, h, _):
+        return h + nn.tanh(nn.Dense(24, dtype=F64, param_dtype=F64)(h)), None
+
+    stack = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True},
+                    length=3)
+    h, _ = stack(name="blocks")(x, None)
+    return nn.Dense(5, dtype=F64, param_dtype=F64)(h)
+
+
+def test_scanned_stack_and_summed_loss():
+  model = Scanned()
+  x = jnp.asarray(randn(4, (6, 24)))
+  y = jnp.asarray(np.arange(6) % 5)
+  params = init_params(model, x)
+  summed = lambda out, t: softmax_ce(out, t) * out.shape[0]  # noqa: E731
+  for loss_fn, kw, terms in ((softmax_ce, {}, 6), (summed, dict(loss_reduction="sum"), 1)):
+    capture = jax.jit(value_and_grad_with_stats(model, loss_fn, **kw))
+    tx = thor_optax.scale_by_thor(0.05, block_size=16)
+    state = _refreshed(tx, capture, params, x, y)
+    block, rows, grads = _both_forms(tx, state, capture, params, x[::-1] * 1.5, y)
+    _assert_same_update(block, rows, grads)
+    _, stats = capture(params, x, y)
+    assert stats.num_loss_terms == terms
+    assert "blocks/Dense_0" in stats.exact_rows
+
+
+def test_micro_batch_statistics_joined():
+  model, params, x, y = _mlp_setup()
+  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  tx = thor_optax.scale_by_thor(0.05, block_size=64)
+  state = _refreshed(tx, capture, params, x, y)
+  parts = [capture(params, x[i::2], y[i::2]) for i in range(2)]
+  grads = jax.tree.map(lambda a, b: (a + b) / 2, parts[0][0][1], parts[1][0][1])
+  joined = thor_optax.concatenate_stats(parts[0][1], parts[1][1])
+  assert joined.num_loss_terms == N and len(joined.exact_rows) == 4
+  update = jax.jit(tx.update)
+  block, _ = update(grads, state, params)
+  rows, _ = update(grads, state, params, gradient_stats=joined)
+  _assert_same_update(block, rows, grads)
+
+
+def test_eigh_and_masked_layers_use_the_gradient():
+  model, params, x, y = _mlp_setup()
+  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  mask = lambda p: {k: jax.tree.map(lambda _: k != "Dense_0", v) for k, v in p.items()}  # noqa
+  for tx in (thor_optax.scale_by_kfac(0.05, inverse_method="eigh"),
+             optax.masked(thor_optax.scale_by_thor(0.05, block_size=64), mask)):
+    state = _refreshed(tx, capture, params, x, y)
+    block, rows, grads = _both_forms(tx, state, capture, params, x * 2, y)
+    _assert_same_update(block, rows, grads)
+
+
+def test_train_state_and_nnx_optimizer_pass_gradient_stats():
+  model, params, x, y = _mlp_setup()
+  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  ts = TrainState.create(apply_fn=model.apply, params=params, tx=thor_optax.thor(0.1, 0.05))
+  (_, grads), stats = capture(params, x, y)
+  ts = jax.jit(lambda s, g, st: s.apply_gradients(grads=g, curvature_stats=st))(ts, grads, stats)
+  (_, grads), stats = capture(ts.params, x * 2, y)
+  apply = jax.jit(lambda s, g, **kw: s.apply_gradients(grads=g, **kw))
+  plain, rows = apply(ts, grads), apply(ts, grads, gradient_stats=stats)
+  assert _relative(plain.params, rows.params) < TOL
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(150, 40, rngs=rngs, param_dtype=F64)
+      self.l2 = nnx.Linear(40, 10, rngs=rngs, param_dtype=F64)
+
+    def __call__(self, x):
+      return self.l2(jnp.tanh(self.l1(x)))
+
+  nnx_capture = nnx_value_and_grad_with_stats(softmax_ce)
+  results = []
+  for with_rows in (False, True):
+    net = Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(net, thor_optax.thor(0.1, 0.05), wrt=nnx.Param)
+
+    def step(net, opt, x, stats_as):
+      (_, grads), stats = nnx_capture(net, x, y)
+      opt.update(net, grads, **({stats_as: stats} if stats_as else {}))
+
+    step = nnx.jit(step, static_argnames="stats_as")
+    step(net, opt, x, "curvature_stats")
+    step(net, opt, x * 2, "gradient_stats" if with_rows else None)
+    results.append(nnx.state(net, nnx.Param))
+  assert _relative(*results) < TOL
+
+
+def test_guard_skips_a_step_whose_rows_are_not_finite():
+  model, params, x, y = _mlp_setup()
+  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  tx = thor_optax.thor(0.1, 0.05)
+  (_, grads), stats = capture(params, x, y)
+  update = jax.jit(tx.update)
+  _, state = update(grads, tx.init(params), params, curvature_stats=stats)
+  bad = x.at[3, 7].set(jnp.nan)
+  (_, grads), stats = capture(params, bad, y)
+  updates, new_state = update(grads, state, params, gradient_stats=stats)
+  assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(updates))
+  assert int(optax.tree_utils.tree_get(new_state, "total_notfinite")) == 1
+  jax.tree.map(np.testing.assert_array_equal, kronecker_state(new_state), kronecker_state(state))
+
+
+def test_errors_name_what_to_pass():
+  model, params, x, y = _mlp_setup()
+  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  tx = thor_optax.scale_by_thor(0.05)
+  (_, grads), stats = capture(params, x, y)
+  state = tx.init(params)
+  with pytest.raises(TypeError, match="gradient_stats must be the CurvatureStats"):
+    tx.update(grads, state, params, gradient_stats=stats.layers)
+  renamed = dataclasses.replace(stats, layers={"Other": stats.layers["Dense_0"]})
+  with pytest.raises(ValueError, match=r"gradient_stats has statistics for \['Other'\]"):
+    tx.update(grads, state, params, gradient_stats=renamed)
+
+
+def test_compiled_step_drops_the_kernel_gradients_it_does_not_read():
+  """XLA's FLOP count: the step from the rows costs a capture-and-SGD step plus the products on
+  the rows and matrices (computed from shapes here), not a second GEMM per layer."""
+  model, params, x, y = _mlp_setup()
+  capture = value_and_grad_with_stats(model, softmax_ce)
+
+  def flops(opt, with_rows):
+    def fn(params, state):
+      (_, grads), stats = capture(params, x, y)
+      kw = {"gradient_stats": stats} if with_rows else {}
+      updates, state = opt.update(grads, state, params, **kw)
+      return optax.apply_updates(params, updates), state
+    return jax.jit(fn).lower(params, opt.init(params)).compile().cost_analysis()["flops"]
+
+  tx = thor_optax.scale_by_thor(0.05, block_size=64)
+  rows, block, baseline = flops(tx, True), flops(tx, False), flops(optax.sgd(0.1), False)
+  extra = gemms = 0.0
+  for spec in blocks.build_layout(params, 64).layers:
+    a, g = spec.a, spec.g
+    side = sample_space.sides(spec, N)
+    extra += 2 * a.block * (N * a.padded_dim if side.a else a.padded_dim * g.dim)
+    extra += 2 * g.block * (N * g.padded_dim if side.g else a.dim * g.padded_dim)
+    gemms += 2 * N * a.dim * g.dim
+  # Kept kernel-gradient GEMMs would add `gemms` (3.4 M FLOPs) to `extra` (2.6 M).
+  assert extra < rows - baseline < extra + 0.3 * gemms
+  assert rows < 0.4 * block
+  # The alias's guard judges these layers by their rows, so it keeps no GEMM alive either
+  # (momentum and the finiteness checks cost about 9 FLOPs per parameter, a GEMM 2 N = 32).
+  assert flops(thor_optax.thor(0.1, 0.05, block_size=64), True) - rows < 0.5 * gemms
