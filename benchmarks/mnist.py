@@ -37,9 +37,10 @@ Setup:
   other on both models, so the cheapest is the default;
 * the second-order optimizers use two jitted steps: a *check step* that captures the layers'
   statistics with ``thor_optax.flax.value_and_grad_with_stats`` and passes them to
-  ``tx.update(..., curvature_stats=stats)``, and a *plain step* (``jax.value_and_grad`` and
-  ``tx.update`` with stored inverses). A host-side ``thor_optax.CheckSchedule`` picks one at
-  every step;
+  ``tx.update(..., curvature_stats=stats)``, and a *plain step* that preconditions with the
+  stored inverses, capturing the statistics too and passing them as ``gradient_stats=`` so
+  that layers with fewer rows than block dimensions are preconditioned from their rows (sample
+  space). A host-side ``thor_optax.CheckSchedule`` picks one at every step;
 * timing: each step is timed up to ``jax.block_until_ready`` of its result; every step
   function is compiled by a warm-up call before the clock starts; the test accuracy is measured
   every ``--eval-every`` steps outside the timed region. Timings are wall-clock: the tables print
@@ -58,6 +59,7 @@ Run (all defaults: THOR, SGD, Adam and Muon on ``mlp`` and ``cnn``, 2 min 22 s o
   python3 benchmarks/mnist.py --all
   python3 benchmarks/mnist.py --tasks mlp --optimizers thor sgd --steps 500
   python3 benchmarks/mnist.py --checks kfac=10 thor=1,20,200 --thor-block-size 64
+  python3 benchmarks/mnist.py --budget 0.1   # checks at most 10% of the FLOPs (curv % column)
 
 Learning rates and damping (``DEFAULT_LEARNING_RATE``, ``DEFAULT_DAMPING``) are what
 
@@ -108,6 +110,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -304,6 +307,8 @@ class Config:
   thor_block_size: Optional[int] = 128
   batch_size: int = 128  # SKFAC keeps factors of at most this many rows in low-rank form
   adam_learning_rate: Optional[float] = None  # Muon's Adam part
+  # Largest share of the training FLOPs for the checks (thor_optax.curvature_budget), or None.
+  budget: Optional[float] = None
 
 
 def muon_dimension_numbers(params: Any) -> Any:
@@ -353,7 +358,8 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation,
   raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
 
 
-def make_steps(model: nn.Module, tx: optax.GradientTransformation) -> tuple[Callable, Callable]:
+def make_steps(model: nn.Module, tx: optax.GradientTransformation,
+               sample_space: bool = False) -> tuple[Callable, Callable]:
   """The two jitted training steps ``(variables, opt_state, x, y) -> (variables, opt_state,
   loss)``.
 
@@ -363,8 +369,11 @@ def make_steps(model: nn.Module, tx: optax.GradientTransformation) -> tuple[Call
   * ``check_step`` captures every layer's curvature statistics along with the gradients and
     passes them to ``tx.update``: the refresh policy runs and the factor blocks due are
     refreshed.
-  * ``plain_step`` is an ordinary optax step (no statistics, no capture); the second-order
-    optimizers precondition with their stored inverses. SGD and Adam only ever use this one.
+  * ``plain_step`` preconditions with the stored inverses. With ``sample_space`` (the
+    second-order optimizers) it captures the statistics too and passes them as
+    ``gradient_stats=``, so layers with fewer rows than block dimensions are preconditioned
+    from their rows; otherwise it is an ordinary optax step (``jax.value_and_grad``), the one
+    SGD, Adam and Muon use.
   """
   with_stats = thor_optax.flax.value_and_grad_with_stats(model, loss_fn)
 
@@ -372,14 +381,17 @@ def make_steps(model: nn.Module, tx: optax.GradientTransformation) -> tuple[Call
     state = {k: v for k, v in variables.items() if k != "params"}
     return variables["params"], state, list(state) or False
 
-  @jax.jit
-  def check_step(variables, opt_state, x, y):
+  def captured_step(variables, opt_state, x, y, stats_as):
     params, state, mutable = split(variables)
     out = with_stats(params, x, y, model_state=state, mutable=mutable, train=True)
     (loss, grads), stats = out[:2]
-    updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+    updates, opt_state = tx.update(grads, opt_state, params, **{stats_as: stats})
     new_state = out[2] if mutable else {}
     return {"params": optax.apply_updates(params, updates), **new_state}, opt_state, loss
+
+  check_step = jax.jit(functools.partial(captured_step, stats_as="curvature_stats"))
+  if sample_space:
+    return check_step, jax.jit(functools.partial(captured_step, stats_as="gradient_stats"))
 
   @jax.jit
   def plain_step(variables, opt_state, x, y):
@@ -434,6 +446,7 @@ class History:
     loss: training loss of every step (on its batch).
     compile_s: seconds of the first call of each step function used (``"check"``,
       ``"plain"``): its compilation and one step.
+    min_interval: the check interval floor from ``--budget`` (1 without).
   """
 
   step_ms: list = dataclasses.field(default_factory=list)
@@ -442,6 +455,7 @@ class History:
   refreshed: list = dataclasses.field(default_factory=list)
   loss: list = dataclasses.field(default_factory=list)
   compile_s: dict = dataclasses.field(default_factory=dict)
+  min_interval: int = 1
 
 
 def train(model: nn.Module, variables: Any, cfg: Config, train_set: Split, eval_set: Split,
@@ -468,23 +482,32 @@ def train(model: nn.Module, variables: Any, cfg: Config, train_set: Split, eval_
     the run's :class:`History`.
   """
   tx, schedule = make_optimizer(cfg)
-  check_step, plain_step = make_steps(model, tx)
+  check_step, plain_step = make_steps(model, tx, sample_space=schedule is not None)
   accuracy = make_accuracy(model)
   num_steps = len(batches)
-  is_check = [schedule is not None and schedule(s) for s in range(num_steps)]
   opt_state = tx.init(variables["params"])
   eval_x, eval_y = jnp.asarray(eval_set.x), jnp.asarray(eval_set.y)
 
-  # Warm-up: compile every step function the run will use (results are thrown away; the
-  # arrays are immutable, so the real state is untouched).
+  # Warm-up: compile every step function the run may use ahead of time and call it once
+  # (results are thrown away; the arrays are immutable, so the real state is untouched).
   x0, y0 = jnp.asarray(train_set.x[batches[0]]), jnp.asarray(train_set.y[batches[0]])
   history = History()
-  for kind, used, step_fn in (("check", any(is_check), check_step),
-                              ("plain", not all(is_check), plain_step)):
-    if used:
-      start = time.perf_counter()
-      jax.block_until_ready(step_fn(variables, opt_state, x0, y0))
-      history.compile_s[kind] = time.perf_counter() - start
+  compiled = {}
+  for kind, step_fn in (("check", check_step), ("plain", plain_step)):
+    if schedule is None and kind == "check":
+      continue
+    start = time.perf_counter()
+    compiled[kind] = step_fn.lower(variables, opt_state, x0, y0).compile()
+    jax.block_until_ready(compiled[kind](variables, opt_state, x0, y0))
+    history.compile_s[kind] = time.perf_counter() - start
+  if schedule is not None and cfg.budget is not None:
+    budget = thor_optax.curvature_budget(compiled["check"], compiled["plain"], cfg.budget)
+    history.min_interval = budget.min_interval
+    schedule = options.check_schedule(cfg.checks, budget.min_interval)
+  is_check = [schedule is not None and schedule(s) for s in range(num_steps)]
+  if all(is_check):
+    history.compile_s.pop("plain", None)
+  check_step, plain_step = compiled.get("check"), compiled["plain"]
   jax.block_until_ready(accuracy(variables, eval_x, eval_y))
 
   seconds = 0.0
@@ -543,6 +566,10 @@ def summarize(task: str, cfg: Config, history: History, targets: tuple[float, ..
       "plain_ms": _median(plain_ms),
       "num_steps": len(history.step_ms),
       "num_checks": len(check_ms),
+      # The time the checks took beyond plain steps, as a share of all training time.
+      "curvature_share": (float((np.sum(check_ms) - len(check_ms) * np.median(plain_ms))
+                                / np.sum(history.step_ms)) if check_ms and plain_ms else None),
+      "min_interval": history.min_interval,
       "targets": list(targets),
       "steps_to": steps_to,
       "seconds_to": seconds_to,
@@ -572,7 +599,7 @@ def print_table(records: list) -> None:
   mean_ms = {r["optimizer"]: r["mean_ms_per_step"] for r in records}
   references = [name for name in ("sgd", "adam", "muon") if name in mean_ms]
   header = (["optimizer", "lr", "damping", "mean ms"] + [f"x {name}" for name in references]
-            + ["check ms", "plain ms", "check comp s", "plain comp s"]
+            + ["check ms", "plain ms", "curv %", "check comp s", "plain comp s"]
             + [f"steps>={t:g}" for t in targets] + [f"s>={t:g}" for t in targets]
             + ["final acc", "train loss", "refreshed/check"])
   rows = []
@@ -582,6 +609,7 @@ def print_table(records: list) -> None:
          _fmt(r["mean_ms_per_step"], ".2f")]
         + [f"{r['mean_ms_per_step'] / mean_ms[name]:.2f}" for name in references]
         + [_fmt(r["check_ms"], ".2f"), _fmt(r["plain_ms"], ".2f"),
+           _fmt(r["curvature_share"] and 100 * r["curvature_share"], ".1f"),
            _fmt(r["compile_s"].get("check"), ".2f"), _fmt(r["compile_s"].get("plain"), ".2f")]
         + [_fmt(r["steps_to"][str(t)], "d") for t in targets]
         + [_fmt(r["seconds_to"][str(t)], ".2f") for t in targets]
@@ -600,7 +628,8 @@ def print_table(records: list) -> None:
   for row in rows:
     print(line(row))
   print("mean ms: training time / steps (the amortized step); x sgd / adam / muon: its ratio to "
-        "theirs; check / plain ms: medians of each kind;\ncomp s: the first call of each step "
+        "theirs; check / plain ms: medians of each kind;\ncurv %: time of the checks beyond "
+        "plain steps, share of training time; comp s: the first call of each step "
         "function (its compilation and one step); train loss: mean over the last epoch;\n"
         "refreshed/check: fraction of factor blocks refreshed per check.")
 
@@ -739,7 +768,8 @@ def base_config(args: argparse.Namespace, task: str, name: str) -> Config:
       thor_block_size=args.thor_block_size or None,
       batch_size=args.batch_size,
       adam_learning_rate=(DEFAULT_LEARNING_RATE[task]["adam"] if args.lr_adam is None
-                          else args.lr_adam) if name == "muon" else None)
+                          else args.lr_adam) if name == "muon" else None,
+      budget=args.budget)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -755,6 +785,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=None,
                  help=f"training steps of every task (default: {DEFAULT_STEPS})")
   p.add_argument("--batch-size", type=int, default=128, help="(default: %(default)s)")
+  p.add_argument("--budget", type=float, default=None, metavar="SHARE",
+                 help="keep the second-order optimizers' checks to at most this share of the "
+                      "training FLOPs (thor_optax.curvature_budget: the check interval never "
+                      "falls below its min_interval), e.g. 0.1")
   p.add_argument("--seed", type=int, default=0,
                  help="seed of the init and of the batch order (default: %(default)s)")
   p.add_argument("--eval-every", type=int, default=10,

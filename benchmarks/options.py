@@ -10,11 +10,12 @@ import thor_optax
 Checks = Union[int, tuple[int, int, int]]
 
 
-def check_schedule(checks: Checks) -> thor_optax.CheckSchedule:
-  """A fixed interval (int) or THOR's ``growing_interval(start, end, transition)`` (triple)."""
+def check_schedule(checks: Checks, min_interval: int = 1) -> thor_optax.CheckSchedule:
+  """A fixed interval (int) or THOR's ``growing_interval(start, end, transition)`` (triple),
+  never shorter than ``min_interval`` steps."""
   if isinstance(checks, int):
-    return thor_optax.CheckSchedule(checks)
-  return thor_optax.CheckSchedule(thor_optax.growing_interval(*checks))
+    return thor_optax.CheckSchedule(checks, min_interval)
+  return thor_optax.CheckSchedule(thor_optax.growing_interval(*checks), min_interval)
 
 
 def add_optimizer_options(p: argparse.ArgumentParser, optimizers: tuple[str, ...],

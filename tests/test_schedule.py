@@ -1,5 +1,7 @@
 """Host-side check schedules and the paper's learning-rate/damping schedule shapes."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -40,6 +42,48 @@ def test_check_schedule_rejects_bad_interval():
     thor_optax.CheckSchedule(0)
   with pytest.raises(TypeError):
     thor_optax.CheckSchedule("10")
+  with pytest.raises(ValueError, match="min_interval"):
+    thor_optax.CheckSchedule(5, min_interval=0)
+
+
+def test_min_interval_floors_the_growing_interval():
+  interval = thor_optax.growing_interval(1, 20, transition_steps=100)
+  steps = thor_optax.CheckSchedule(interval, min_interval=6).check_steps(400)
+  gaps = np.diff(steps)
+  assert steps[:4] == [0, 6, 12, 18] and gaps.min() == 6
+  assert gaps[-1] == 20  # above the floor, THOR's interval as it was
+  unfloored = np.diff(thor_optax.CheckSchedule(interval).check_steps(400))
+  assert unfloored[0] == 1
+
+
+def _matmuls(count):
+  """A compiled function of ``count`` chained 64 x 64 matrix products: ``count * 2 * 64^3``
+  FLOPs."""
+  w = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)), jnp.float32)
+
+  def fn(x):
+    for _ in range(count):
+      x = jnp.tanh(x @ w)
+    return x
+
+  return jax.jit(fn).lower(w)
+
+
+def test_curvature_budget_from_xla_flops():
+  plain, check = _matmuls(1).compile(), _matmuls(3)  # a lowered function is compiled here
+  budget = thor_optax.curvature_budget(check, plain, share=0.1)
+  gemm = 2 * 64 ** 3
+  np.testing.assert_allclose(budget.plain_flops, gemm, rtol=0.05)  # (+ the tanh)
+  np.testing.assert_allclose(budget.check_flops, 3 * gemm, rtol=0.05)
+  # (C - P)(1 - s) / (s P) = 2 * 0.9 / 0.1 = 18 steps; then the checks take 2 / 20 = 10%.
+  assert budget.min_interval == 18
+  assert budget.spent(18) <= 0.1 < budget.spent(17)
+  assert thor_optax.curvature_budget(check, plain, share=0.5).min_interval == 2
+  assert thor_optax.curvature_budget(plain, check, share=0.1).min_interval == 1  # no extra
+  with pytest.raises(ValueError, match="share must be in"):
+    thor_optax.curvature_budget(check, plain, share=1.0)
+  with pytest.raises(TypeError, match="must be a compiled step function"):
+    thor_optax.curvature_budget(lambda x: x, plain, share=0.1)
 
 
 def test_paper_schedule_shapes():

@@ -18,7 +18,7 @@ Public API (import from here, ``thor_optax.flax`` or ``thor_optax.nnx``; never f
 * ``concatenate_stats``: the statistics of a batch from those of its micro-batches (gradient
   accumulation with ``optax.MultiSteps``).
 * ``thor_learning_rate_schedule``, ``thor_damping_schedule``: the paper's schedule shapes.
-* ``CheckSchedule``, ``growing_interval``: which steps are check steps.
+* ``CheckSchedule``, ``growing_interval``, ``curvature_budget``: which steps are check steps.
 * ``captured_layers``, ``CapturedLayers``: the ``layers=`` of the preconditioners and aliases,
   from a capture's statistics (the layers it takes, laid out as it takes them: attention
   projections without bias, einsums); ``captured_mask``: the ``precondition_mask`` of the
@@ -43,6 +43,8 @@ from thor_optax._src.alias import thor
 from thor_optax._src.alias import thor_damping_schedule
 from thor_optax._src.alias import thor_learning_rate_schedule
 from thor_optax._src.schedule import CheckSchedule
+from thor_optax._src.schedule import CurvatureBudget
+from thor_optax._src.schedule import curvature_budget
 from thor_optax._src.sharding import kronecker_state_sharding
 from thor_optax._src.schedule import growing_interval
 from thor_optax._src.stats import ConvStats
@@ -72,6 +74,7 @@ __version__ = "0.2.0"
 
 __all__ = (
     "CheckSchedule",
+    "CurvatureBudget",
     "ConvStats",
     "CurvatureStats",
     "DenseGeneralStats",
@@ -86,6 +89,7 @@ __all__ = (
     "CapturedLayers",
     "captured_layers",
     "captured_mask",
+    "curvature_budget",
     "growing_interval",
     "concatenate_stats",
     "kaisa",

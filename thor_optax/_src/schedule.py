@@ -10,13 +10,18 @@ References:
   published; :func:`growing_interval` is geometric growth between two intervals).
   MindSpore ``train/train_thor/model_thor.py``: fixed ``frequency`` N, one second-order step
   followed by ``N - 1`` first-order steps.
+
+:func:`curvature_budget` turns "spend at most this share of training on curvature" into the
+shortest interval :class:`CheckSchedule` may use, from XLA's cost of the two compiled steps.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Union
+import math
+from typing import Any, Callable, NamedTuple, Union
 
+import jax
 import optax
 
 Interval = Union[int, Callable[[int], float]]
@@ -48,15 +53,18 @@ def growing_interval(start: int, end: int, transition_steps: int) -> optax.Sched
 class CheckSchedule:
   """Decides on the host whether a step is a check step.
 
-  Check steps are ``s_0 = 0`` and ``s_{k+1} = s_k + max(1, round(interval(s_k)))``. With an int
-  ``interval = N`` this is MindSpore's ``frequency``: steps ``0, N, 2N, ...``.
+  Check steps are ``s_0 = 0`` and ``s_{k+1} = s_k + max(min_interval, round(interval(s_k)))``.
+  With an int ``interval = N`` this is MindSpore's ``frequency``: steps ``0, N, 2N, ...``.
 
   Args:
     interval: an int (fixed interval, in steps) or a schedule ``step -> interval`` such as
       :func:`growing_interval`.
+    min_interval: the shortest interval, in steps (default 1); e.g.
+      :func:`curvature_budget`'s ``min_interval``, which keeps the checks' extra cost within a
+      share of the training time whatever ``interval`` says.
 
   Raises:
-    ValueError: if a fixed interval is smaller than 1.
+    ValueError: if a fixed interval or ``min_interval`` is smaller than 1.
 
   Example::
 
@@ -64,7 +72,7 @@ class CheckSchedule:
     step_fn = check_step if is_check(step) else plain_step
   """
 
-  def __init__(self, interval: Interval):
+  def __init__(self, interval: Interval, min_interval: int = 1):
     if isinstance(interval, int):
       if interval < 1:
         raise ValueError(f"check interval must be >= 1 step, got {interval}")
@@ -74,11 +82,14 @@ class CheckSchedule:
       self._interval = interval
     else:
       raise TypeError(f"interval must be an int or a callable of the step, got {interval!r}")
+    if int(min_interval) < 1:
+      raise ValueError(f"min_interval must be >= 1 step, got {min_interval}")
+    self.min_interval = int(min_interval)
     self._steps = [0]
 
   def interval(self, step: int) -> int:
     """The interval, in steps, that follows a check at ``step``."""
-    return max(1, int(round(float(self._interval(step)))))
+    return max(self.min_interval, int(round(float(self._interval(step)))))
 
   def _extend(self, step: int) -> None:
     while self._steps[-1] < step:
@@ -96,3 +107,93 @@ class CheckSchedule:
     """All check steps in ``[0, num_steps)``."""
     self._extend(num_steps)
     return [s for s in self._steps if s < num_steps]
+
+
+class CurvatureBudget(NamedTuple):
+  """What :func:`curvature_budget` derived, from XLA's cost of the two step functions.
+
+  Attributes:
+    check_flops: FLOPs of one check step (``cost_analysis()['flops']``).
+    plain_flops: FLOPs of one plain step.
+    share: the largest share of the training FLOPs the checks' extra cost may take.
+    min_interval: the shortest check interval, in steps, that keeps the share within
+      ``share`` (pass it to :class:`CheckSchedule`).
+  """
+
+  check_flops: float
+  plain_flops: float
+  share: float
+  min_interval: int
+
+  def spent(self, interval: int) -> float:
+    """The share of the FLOPs the checks' extra cost takes at a check every ``interval``
+    steps: ``(C - P) / (interval P + C - P)``."""
+    extra = max(self.check_flops - self.plain_flops, 0.0)
+    return extra / (interval * self.plain_flops + extra)
+
+
+def _flops(step: Any, which: str) -> float:
+  """``cost_analysis()['flops']`` of a compiled (or lowered, then compiled) step function."""
+  if isinstance(step, jax.stages.Lowered):
+    step = step.compile()
+  if not isinstance(step, jax.stages.Compiled):
+    raise TypeError(
+        f"curvature_budget: {which} must be a compiled step function, "
+        f"jax.jit(step).lower(*args).compile() (or its .lower(*args)), got "
+        f"{type(step).__name__}.")
+  cost = step.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+    cost = cost[0] if cost else {}
+  flops = float((cost or {}).get("flops", 0.0))
+  if not flops > 0:
+    raise ValueError(
+        f"curvature_budget: XLA reports no FLOPs for {which} on this backend "
+        f"({jax.default_backend()}); pass min_interval to CheckSchedule yourself.")
+  return flops
+
+
+def curvature_budget(check_step: Any, plain_step: Any, share: float) -> CurvatureBudget:
+  """The shortest check interval that keeps the checks' cost within ``share`` of training.
+
+  With a check every ``k`` steps, ``k - 1`` plain steps of cost ``P`` and one check of cost
+  ``C`` take ``k P + (C - P)``, of which the curvature work beyond a plain step is the share
+  ``(C - P) / (k P + C - P)``; it is at most ``share`` for ``k >= (C - P)(1 - share) / (share
+  P)``. ``C`` and ``P`` are the FLOPs XLA's cost analysis reports for the compiled steps:
+  deterministic for a program and a backend, so the schedule is reproducible and resumes from
+  a checkpoint (it is a function of the step number). It is an estimate of time: work XLA
+  does not count (LAPACK factorizations on CPU are custom calls; a check refreshes only the
+  blocks the trace rule selects, and its branches of fewer blocks cost less) and the speed of
+  small operations differ from the FLOPs. ``benchmarks/mnist.py --budget`` prints the share
+  measured in wall time next to it.
+
+  Use the compiled steps for training, so nothing compiles twice::
+
+    check = jax.jit(check_step).lower(params, opt_state, x, y).compile()
+    plain = jax.jit(plain_step).lower(params, opt_state, x, y).compile()
+    budget = thor_optax.curvature_budget(check, plain, share=0.1)
+    is_check = thor_optax.CheckSchedule(thor_optax.growing_interval(2, 50, 2000),
+                                        min_interval=budget.min_interval)
+
+  Args:
+    check_step: the check step, compiled (``jax.stages.Compiled``) or lowered
+      (``jax.stages.Lowered``, compiled here).
+    plain_step: the plain step, likewise.
+    share: the largest share of the training FLOPs for the checks' extra cost, in ``(0, 1)``
+      (0.1: at most 10%).
+
+  Returns:
+    a :class:`CurvatureBudget`; its ``min_interval`` (steps, ``>= 1``) is the interval floor.
+
+  Raises:
+    ValueError: if ``share`` is not in ``(0, 1)``, or XLA reports no FLOPs for a step.
+    TypeError: if a step is not a compiled or lowered function.
+
+  Source: this project (issue 15); THOR's growing interval (Chen et al., AAAI 2021) runs above
+  this floor.
+  """
+  if not 0.0 < share < 1.0:
+    raise ValueError(f"curvature_budget: share must be in (0, 1), got {share}")
+  check, plain = _flops(check_step, "check_step"), _flops(plain_step, "plain_step")
+  extra = max(check - plain, 0.0)
+  interval = max(1, math.ceil(extra * (1.0 - share) / (share * plain) - 1e-9))
+  return CurvatureBudget(check, plain, float(share), interval)
