@@ -4,7 +4,7 @@ A dense layer's gradient is ``a^T g / M``, so ``A^-1 X G^-1 = (a A^-1)^T (g G^-1
 product with the ``(d_A, d_G)`` gradient matrix. In float64 the update from the rows equals the
 update from the gradient (block products on ``X``, checked against dense references in
 ``test_exactness.py``) to 1e-12: on an MLP whose layers take each side combination (both factors
-on the rows, one, none), on attention and a language-model head (``DenseGeneral``, a loss per
+on the rows, one, none), on attention, an einsum and a language-model head (``DenseGeneral``, a loss per
 position), on a scanned stack, with a summed loss, and with micro-batch statistics joined by
 ``concatenate_stats``. Layers whose statistics are not the gradient's rows (K-FAC-reduce over
 positions, a sampled Fisher) and methods that do not apply the factors one by one (``'eigh'``)
@@ -107,7 +107,8 @@ def test_mlp_rows_give_the_block_products_update_on_each_side_combination():
 
 
 class Attention(nn.Module):
-  """Embedding, self-attention (``DenseGeneral`` projections), a dense block and a head;
+  """Embedding, self-attention (``DenseGeneral`` projections), a dense block, an ``nn.Einsum``
+  and a head;
   ``per_position``: logits ``(N, T, V)`` (a language model), else pooled ``(N, V)``."""
 
   per_position: bool = True
@@ -118,6 +119,7 @@ class Attention(nn.Module):
     h = nn.Embed(12, 16, **kw)(ids)
     h = h + nn.MultiHeadDotProductAttention(num_heads=2, **kw)(h)
     h = h + nn.Dense(16, **kw)(nn.gelu(nn.Dense(40, **kw)(h)))
+    h = h + nn.Einsum((16, 2, 8), "btd,dnh->btnh", name="einsum", **kw)(h).reshape(h.shape)
     if not self.per_position:
       h = h.mean(axis=1)
     return nn.Dense(12, name="head", **kw)(h)
@@ -141,7 +143,7 @@ def test_attention_and_a_language_model_head_with_a_loss_per_position():
   _assert_same_update(block, rows, grads)
   assert stats.num_loss_terms == 10  # N T: every position is a row (K-FAC-expand)
   projections = {f"MultiHeadDotProductAttention_0/{p}" for p in ("query", "key", "value", "out")}
-  assert projections | {"Dense_0", "Dense_1", "head"} == set(stats.exact_rows)
+  assert projections | {"Dense_0", "Dense_1", "einsum", "head"} == set(stats.exact_rows)
 
 
 def test_reduced_positions_and_sampled_fisher_fall_back_to_the_gradient():
