@@ -99,7 +99,8 @@ def thor(
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` to ``update`` on
-    check steps.
+    check steps, and optionally ``gradient_stats=`` on plain steps (dense layers narrower in
+    rows than in dimensions are then preconditioned from their rows; :func:`scale_by_thor`).
 
   Raises:
     ValueError: as :func:`scale_by_thor`.
@@ -196,7 +197,8 @@ def skfac(
     block_sharding, axis_name, precondition_mask, layers, skip_not_finite: as :func:`thor`.
 
   Returns:
-    an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` on check steps.
+    an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` on check steps,
+    and optionally ``gradient_stats=`` on plain steps (see :func:`thor`).
 
   Raises:
     ValueError: as :func:`scale_by_kfac`.
