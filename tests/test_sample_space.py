@@ -4,9 +4,9 @@ A dense layer's gradient is ``a^T g / M``, so ``A^-1 X G^-1 = (a A^-1)^T (g G^-1
 product with the ``(d_A, d_G)`` gradient matrix. In float64 the update from the rows equals the
 update from the gradient (block products on ``X``, checked against dense references in
 ``test_exactness.py``) to 1e-12: on an MLP whose layers take each side combination (both factors
-on the rows, one, none), on attention, an einsum and a language-model head (``DenseGeneral``, a loss per
-position), on a scanned stack, with a summed loss, and with micro-batch statistics joined by
-``concatenate_stats``. Layers whose statistics are not the gradient's rows (K-FAC-reduce over
+on the rows, one, none), on attention, an einsum and a language-model head (``DenseGeneral``, a
+loss per position), on a scanned stack, with a summed loss, and with micro-batch statistics
+joined by ``concatenate_stats``. Layers whose statistics are not the gradient's rows (K-FAC-reduce over
 positions, a sampled Fisher) and methods that do not apply the factors one by one (``'eigh'``)
 fall back to the block products. Compiled, the step does not compute the kernel gradients its
 update does not read (FLOPs from XLA's cost analysis), and the aliases' guard still skips a step
