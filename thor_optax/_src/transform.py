@@ -358,7 +358,10 @@ def scale_by_thor(
   times fewer FLOPs, and under ``jax.jit`` the layer's kernel gradient is never computed).
   Only layers listed in the statistics' ``exact_rows`` (empirical Fisher, positions not
   reduced) and inverse methods applied factor by factor (not ``'eigh'``) qualify; the others
-  use the gradient. Under ``axis_name`` the products are averaged across replicas.
+  use the gradient. Under ``axis_name`` the products are averaged across replicas. The
+  statistics must be those of exactly the gradient passed (under ``optax.MultiSteps``, the
+  micro-batches' joined with :func:`thor_optax.concatenate_stats`): the update is computed from
+  them, not from ``grads``.
 
   Args:
     damping: ``lambda``, a positive float or a schedule of the step count; ``sqrt(lambda)`` is
