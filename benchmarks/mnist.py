@@ -492,22 +492,22 @@ def train(model: nn.Module, variables: Any, cfg: Config, train_set: Split, eval_
   # (results are thrown away; the arrays are immutable, so the real state is untouched).
   x0, y0 = jnp.asarray(train_set.x[batches[0]]), jnp.asarray(train_set.y[batches[0]])
   history = History()
+  budgeted = schedule is not None and cfg.budget is not None
+  is_check = [schedule is not None and schedule(s) for s in range(num_steps)]
   compiled = {}
-  for kind, step_fn in (("check", check_step), ("plain", plain_step)):
-    if schedule is None and kind == "check":
-      continue
-    start = time.perf_counter()
-    compiled[kind] = step_fn.lower(variables, opt_state, x0, y0).compile()
-    jax.block_until_ready(compiled[kind](variables, opt_state, x0, y0))
-    history.compile_s[kind] = time.perf_counter() - start
-  if schedule is not None and cfg.budget is not None:
+  for kind, step_fn, used in (("check", check_step, any(is_check)),
+                              ("plain", plain_step, not all(is_check))):
+    if used or budgeted:  # the budget needs both steps' costs
+      start = time.perf_counter()
+      compiled[kind] = step_fn.lower(variables, opt_state, x0, y0).compile()
+      jax.block_until_ready(compiled[kind](variables, opt_state, x0, y0))
+      history.compile_s[kind] = time.perf_counter() - start
+  if budgeted:
     budget = thor_optax.curvature_budget(compiled["check"], compiled["plain"], cfg.budget)
     history.min_interval = budget.min_interval
     schedule = options.check_schedule(cfg.checks, budget.min_interval)
-  is_check = [schedule is not None and schedule(s) for s in range(num_steps)]
-  if all(is_check):
-    history.compile_s.pop("plain", None)
-  check_step, plain_step = compiled.get("check"), compiled["plain"]
+    is_check = [schedule(s) for s in range(num_steps)]
+  check_step, plain_step = compiled.get("check"), compiled.get("plain")
   jax.block_until_ready(accuracy(variables, eval_x, eval_y))
 
   seconds = 0.0
