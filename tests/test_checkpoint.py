@@ -69,9 +69,10 @@ def test_resume_in_a_fresh_process_is_bit_exact(tmp_path):
   # The checkpoint holds the whole train state: model, batch statistics, optimizer, step.
   for prefix in ("['params']['Head_0']['Dense_0']['kernel']",
                  "['batch_stats']['BatchNorm_0']['mean']",
-                 "['opt_state'].inner_state[0].blocks['b64']['inverse'].inverse",
-                 "['opt_state'].inner_state[0].layers['BatchNorm_0'].inverse",
-                 "['opt_state'].inner_state[0].diagnostics['Head_0/Dense_1'].total_refreshes",
+                 "['opt_state'].inner_state[0].inner_state.blocks['b64']['inverse'].inverse",
+                 "['opt_state'].inner_state[0].inner_state.layers['BatchNorm_0'].inverse",
+                 "['opt_state'].inner_state[0].inner_state.diagnostics['Head_0/Dense_1']"
+                 ".total_refreshes",
                  "['opt_state'].inner_state[2][0].trace['Conv_0']['kernel']",
                  "['opt_state'].inner_state[2][1].count"):
     assert prefix in saved, prefix
@@ -83,7 +84,7 @@ def test_resume_in_a_fresh_process_is_bit_exact(tmp_path):
   # The steps after the checkpoint trained and refreshed curvature blocks (the check at 9).
   kernel = "['params']['Head_0']['Dense_0']['kernel']"
   assert np.abs(full[kernel] - saved[kernel]).max() > 1e-4
-  refreshes = "['opt_state'].inner_state[0].diagnostics['{}'].total_refreshes"
+  refreshes = "['opt_state'].inner_state[0].inner_state.diagnostics['{}'].total_refreshes"
   grown = [name for name in ("Conv_0", "Head_0/Dense_0", "Head_0/Dense_1")
            if full[refreshes.format(name)] > saved[refreshes.format(name)]]
   assert grown, "no block was refreshed after the checkpoint"

@@ -194,6 +194,30 @@ def test_scanned_stack_and_summed_loss():
     assert "blocks/Dense_0" in stats.exact_rows
 
 
+def test_kl_clip_reads_the_inner_product_from_the_rows():
+  """With a KL clip that binds, the clipped update from the rows equals the one from the
+  gradient: ``<u, g>`` comes from the rows (sample space where both factors are on the rows,
+  ``sum((a u) * g) / M`` where one is not; a scanned stack summed over its layers)."""
+  mlp, mlp_params, x, y = _mlp_setup()
+  cases = ((mlp, mlp_params, x, y, jnp.asarray(randn(1, (N, 150))), 64),
+           (Scanned(), None, jnp.asarray(randn(4, (6, 24))), jnp.asarray(np.arange(6) % 5),
+            None, 16))
+  for model, params, x, y, x2, block in cases:
+    params = params if params is not None else init_params(model, x)
+    x2 = x2 if x2 is not None else x[::-1] * 1.5
+    capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+    tx = thor_optax.scale_by_kl_clip(thor_optax.scale_by_thor(0.05, block_size=block), 0.1,
+                                     max_kl=1e-6)
+    state = _refreshed(tx, capture, params, x, y)
+    (_, grads), stats = capture(params, x2, y)
+    update = jax.jit(tx.update)
+    block_u, block_state = update(grads, state, params)
+    rows_u, rows_state = update(grads, state, params, gradient_stats=stats)
+    assert float(block_state.scale) < 0.1  # the clip binds
+    np.testing.assert_allclose(float(rows_state.scale), float(block_state.scale), rtol=1e-12)
+    _assert_same_update(block_u, rows_u, grads)
+
+
 def test_micro_batch_statistics_joined():
   model, params, x, y = _mlp_setup()
   capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))

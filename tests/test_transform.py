@@ -54,7 +54,17 @@ def test_chain_equals_manual_composition(setup):
   natural, _ = pre.update(grads, pre.init(params), params, curvature_stats=stats)
   expected = jax.tree_util.tree_map(lambda n, p: -0.3 * (n + 1e-2 * p), natural, params)
   _tree_allclose(updates, expected, rtol=1e-5, atol=1e-7)
-  # The alias is the same chain.
+  # The alias is the same chain without its KL clip and damping floor ...
+  alias = thor_optax.thor(0.3, 0.05, weight_decay=1e-2, block_size=4, max_kl=None,
+                          min_relative_damping=0.0)
+  a_updates, _ = alias.update(grads, alias.init(params), params, curvature_stats=stats)
+  _tree_allclose(a_updates, expected, rtol=1e-5, atol=1e-7)
+  # ... and with them (its defaults), the chain around the clipped, floored preconditioner.
+  pre = thor_optax.scale_by_kl_clip(
+      thor_optax.scale_by_thor(0.05, block_size=4, min_relative_damping=0.1), 0.3, 1e-2)
+  natural, pre_state = pre.update(grads, pre.init(params), params, curvature_stats=stats)
+  assert float(pre_state.scale) < 1.0  # the clip binds at this learning rate
+  expected = jax.tree_util.tree_map(lambda n, p: -0.3 * (n + 1e-2 * p), natural, params)
   alias = thor_optax.thor(0.3, 0.05, weight_decay=1e-2, block_size=4)
   a_updates, _ = alias.update(grads, alias.init(params), params, curvature_stats=stats)
   _tree_allclose(a_updates, expected, rtol=1e-5, atol=1e-7)
@@ -65,7 +75,7 @@ def test_inject_hyperparams_changes_lr_and_damping_without_recompiling(setup):
   with pytest.raises(ValueError, match="static_args"):
     optax.inject_hyperparams(thor_optax.thor)(learning_rate=0.1).init(params)
   tx = optax.inject_hyperparams(thor_optax.thor, static_args=("block_size",))(
-      learning_rate=0.1, damping=0.05)
+      learning_rate=0.1, damping=0.05, max_kl=None, min_relative_damping=0.0)
   state = tx.init(params)
   traces = []
 

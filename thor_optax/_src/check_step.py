@@ -83,7 +83,7 @@ class StackInputs(NamedTuple):
   Attributes:
     trace: ``(n,)`` damped trace of every block (0 where no valid statistics).
     damping: ``(n,)`` damping added to every block (1 where none).
-    valid: ``(n,)`` bool, blocks with finite statistics at this check.
+    valid: ``(n,)`` bool, blocks with finite statistics at this check, not all zero.
     rows: ``{slot: FactorRows}`` of the factors in the stack that have statistics.
     slots: every factor slot of the stack, in block order.
   """
@@ -110,7 +110,8 @@ def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam
   lam = jnp.asarray(lam, dtype)
   factors = {spec.name: layer_factors(spec, flat[spec.name], dtype, cfg, key, jnp.sqrt(lam))
              for spec in layout.layers if spec.name in flat and spec.g is not None}
-  inputs = gather(layout, factors, dtype)
+  inputs = gather(layout, factors, dtype, cfg.damping.min_relative_damping,
+                  replicas.replica_count(cfg.axis_name))
   invert_now = cfg.accumulator.inverts_now(state.accumulator, state.count)
   new_blocks, refreshed, ratio = {}, {}, {}
   for group in layout.groups:
@@ -206,6 +207,11 @@ def side_refresh(spec: layer_base.LayerSpec, stats: Any, state: Any, factors: An
   return jax.vmap(refresh)(stats, state, factors) if spec.stack else refresh(stats, state, factors)
 
 
+# Relative spread of a factor's rows below which they count as one row repeated (float32 sums
+# of identical rows differ from R times their mean by a few ulps).
+_ONE_ROW_TOLERANCE = 1e-5
+
+
 def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg: Any,
                   key: Any, sqrt_damping: jax.Array) -> layer_base.LayerFactors:
   """A Kronecker-factored layer's factor rows (or diagonal ``A``), damping and validity; for a
@@ -228,10 +234,19 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
   tr_g = blocks.block_traces(g.rows, g.scale, spec.g)
   if spec.a is not None:
     tr_a, dim_a = blocks.block_traces(a.rows, a.scale, spec.a), spec.a.dim
+    mean_row = jnp.mean(a.rows, axis=0)
   else:  # a diagonal A: its values
     tr_a, dim_a = jnp.sum(a, keepdims=True), a.shape[0]
     a = replicas.mean(a, cfg.axis_name)
-  tr_a, tr_g = replicas.mean((tr_a, tr_g), cfg.axis_name)
+    mean_row = None
+  tr_a, tr_g, mean_row = replicas.mean((tr_a, tr_g, mean_row), cfg.axis_name)
+  if mean_row is not None and a.rows.shape[0] > 1:
+    # Rows that are all one row (an all-zero batch behind a bias, one example repeated) give
+    # a rank-one A that says nothing of the inputs' spread: the A blocks keep their inverses
+    # (a zero trace marks them not valid in gather). tr(A) - s R |mean row|^2 is the spread.
+    total = jnp.sum(tr_a)
+    spread = total - a.scale * a.rows.shape[0] * jnp.sum(mean_row * mean_row)
+    tr_a = jnp.where(spread <= _ONE_ROW_TOLERANCE * total, jnp.zeros_like(tr_a), tr_a)
   finite = jnp.all(jnp.isfinite(tr_a)) & jnp.all(jnp.isfinite(tr_g))
   d_a, d_g = damping_lib.split_damping(tr_a, dim_a, tr_g, spec.g.dim, sqrt_damping,
                                        cfg.damping.pi_damping)
@@ -252,8 +267,14 @@ def _per_block(value: jax.Array, slot: blocks.FactorSlot) -> jax.Array:
 
 
 def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactors],
-           dtype: jnp.dtype) -> dict[str, StackInputs]:
-  """Per block stack: damped traces, damping and validity of every block, and factor rows."""
+           dtype: jnp.dtype, min_relative_damping: Any,
+           num_replicas: int = 1) -> dict[str, StackInputs]:
+  """Per block stack: damped traces, damping and validity of every block, and factor rows.
+
+  Each block's damping is at least ``min_relative_damping`` times its mean eigenvalue over the
+  dimensions its rows can span (``damping.floored``): a block of ``d`` dimensions formed from
+  ``R`` rows (``num_replicas`` times a replica's) has at most ``min(R, d)`` nonzero
+  eigenvalues, so its trace is shared among those."""
   trace = {g: jnp.zeros((n,), dtype) for g, (_, n) in layout.groups.items()}
   damping = {g: jnp.ones((n,), dtype) for g, (_, n) in layout.groups.items()}
   valid = {g: jnp.zeros((n,), bool) for g, (_, n) in layout.groups.items()}
@@ -266,7 +287,13 @@ def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactor
       if slot is None:
         continue
       tr, d, finite = (_per_block(v, slot) for v in (tr, d, f.finite))
-      damped = jnp.where(finite, tr + d * jnp.asarray(_real_counts(slot), dtype), 0.0)
+      real = jnp.asarray(_real_counts(slot), dtype)
+      spanned = jnp.minimum(real, num_replicas * r.rows.shape[-2])
+      d = damping_lib.floored(d, tr, spanned, min_relative_damping)
+      # A block whose statistics are all zero (an all-zero batch, units that did not fire)
+      # says nothing of its curvature: it keeps the inverse it has, like a non-finite one.
+      finite = finite & (tr > 0)
+      damped = jnp.where(finite, tr + d * real, 0.0)
       g, span = slot.group, slice(slot.start, slot.stop)
       trace[g] = trace[g].at[span].set(damped)
       damping[g] = damping[g].at[span].set(d)
@@ -392,8 +419,8 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
       name a layer that no registered kind claimed in the gradients, or lack a stack's axes.
   Warns:
     UserWarning: naming each layer of the gradients without statistics (with the capture's
-      reason, e.g. a shared layer) and each captured-but-unsupported module; their gradients
-      pass through as they are.
+      reason, e.g. a shared layer), which keeps the inverses it has, and each
+      captured-but-unsupported module, whose gradients pass through as they are.
   """
   by_name = {spec.name for spec in layout.layers}
   flat = stats_lib.flatten_layer_stats(curvature_stats)
@@ -431,7 +458,12 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
              for name in sorted(by_name - set(flat) - masked)}
   if missing or silent:
     notes = "; ".join(f"{name}: {why}" for name, why in {**missing, **silent}.items())
+    kept, passed = sorted(missing), sorted(silent)
     warnings.warn(
-        f"curvature_stats: layers not preconditioned ({notes}). Their gradients pass through as "
-        "they are; to train them with another optimizer, use optax.partition.", stacklevel=5)
+        f"curvature_stats: no statistics for some layers ({notes}). "
+        + (f"{kept} keep the inverses they have (the identity until a check step gives them "
+           "statistics): their blocks are not refreshed at this step. " if kept else "")
+        + (f"{passed} are not preconditioned: their gradients pass through as they are. "
+           if passed else "")
+        + "To train a layer with another optimizer, use optax.partition.", stacklevel=5)
   return flat

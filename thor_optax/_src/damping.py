@@ -1,9 +1,20 @@
-"""Damping of a layer's two Kronecker factors: ``sqrt(lambda)`` each, or split by the pi rule.
+"""Damping of a layer's two Kronecker factors: ``sqrt(lambda)`` each, or split by the pi rule,
+never below a share of each block's mean eigenvalue.
 
 THOR (and MindSpore's implementation) adds ``sqrt(lambda)`` to the diagonal of both ``A`` and
 ``G``; the pi rule of K-FAC adds ``pi sqrt(lambda)`` to ``A`` and ``sqrt(lambda) / pi`` to ``G``
 with ``pi = sqrt((tr A / d_A) / (tr G / d_G))``. Either needs an inverse method that damps the
 factors separately (``'factored damping'``); eigh damps ``A (x) G`` exactly instead.
+
+The floor (``min_relative_damping``, ``rho``): a block ``B`` of dimension ``d`` formed from
+``R`` rows gets at least ``rho tr(B) / min(R, d)``, ``rho`` times the mean of the eigenvalues
+its rows can make nonzero, so its damped inverse amplifies no direction by more than ``1 / rho``
+times that mean's inverse, whatever ``lambda``. Factors formed from fewer
+rows than dimensions (THOR's current batch) are singular, and with a small ``lambda`` a stale
+inverse scales the new gradient's components outside the old rows by ``1 / sqrt(lambda)``:
+this is what made THOR and SKFAC diverge at ``lambda <= 0.01`` on a learning-rate x damping
+grid (README, "Robustness"). For eigh each factor's eigenvalues are floored at ``rho`` times
+their mean (:func:`floored_eigenvalues`) before ``lambda`` is added to their products.
 
 References:
   Chen et al., "THOR", AAAI 2021 (split damping).
@@ -11,6 +22,8 @@ References:
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +49,56 @@ def split_damping(tr_a: jax.Array, dim_a: int, tr_g: jax.Array, dim_g: int,
   return pi * sqrt_damping, sqrt_damping / pi
 
 
+def floored(damping: jax.Array, traces: jax.Array, dims: jax.Array,
+            min_relative_damping: float) -> jax.Array:
+  """Per block: ``max(damping, rho * trace / dim)``.
+
+  Args:
+    damping: damping of each block (scalar or ``(n,)``).
+    traces: ``(n,)`` undamped block traces.
+    dims: ``(n,)`` dimensions the blocks' traces are shared among: ``min(rows, true
+      (unpadded) dimension)``.
+    min_relative_damping: ``rho >= 0`` (0: no floor).
+
+  Returns:
+    ``(n,)`` damping values.
+  """
+  share = traces / jnp.maximum(dims, 1.0)
+  return jnp.maximum(damping, min_relative_damping * jnp.where(jnp.isfinite(share), share, 0.0))
+
+
+def floored_eigenvalues(eigenvalues: jax.Array, min_relative_damping: Any) -> jax.Array:
+  """A factor's eigenvalues, each at least ``rho`` times their mean: the floor for eigh, whose
+  damping ``lambda`` acts on the products ``eig_A eig_G`` (KAISA's exact damping). Flooring each
+  factor bounds every direction, also those where one factor's eigenvalue is large and the
+  other's is 0, which a floor on ``lambda`` alone would not.
+
+  Args:
+    eigenvalues: eigenvalues of a factor's blocks (any shape).
+    min_relative_damping: ``rho >= 0``.
+  """
+  floor = min_relative_damping * jnp.mean(eigenvalues)
+  return jnp.maximum(eigenvalues, jnp.where(jnp.isfinite(floor), floor, 0.0))
+
+
 class FactoredDamping:
-  """The damping piece of a transform: ``pi_damping`` needs factor-wise damping."""
+  """The damping piece of a transform: ``pi_damping`` needs factor-wise damping;
+  ``min_relative_damping`` is the floor ``rho`` of the module docstring.
+
+  Raises:
+    ValueError: if ``min_relative_damping`` is a Python number that is negative or not finite.
+  """
 
   provides: frozenset[str] = frozenset()
 
-  def __init__(self, pi_damping: bool):
+  def __init__(self, pi_damping: bool, min_relative_damping: float = 0.0):
     self.pi_damping = bool(pi_damping)
+    if (isinstance(min_relative_damping, (int, float))
+        and not 0.0 <= min_relative_damping < float("inf")):
+      raise ValueError(f"min_relative_damping must be finite and >= 0 (0: no floor), got "
+                       f"{min_relative_damping!r}.")
+    # A Python float, or a scalar array under optax.inject_hyperparams.
+    self.min_relative_damping = min_relative_damping
     self.requires = frozenset({"factored damping"} if pi_damping else ())
 
   def describe(self) -> str:

@@ -1,12 +1,15 @@
-"""``skip_not_finite``: a step whose gradient or update is not finite changes nothing.
+"""``skip_not_finite``: a step whose gradient, statistics or update is not finite changes
+nothing.
 
 ``optax.apply_if_finite`` skips a step whose *gradient* has a NaN or an Inf, and gives up after
 ``max_consecutive_errors`` such steps. A second-order optimizer can also turn a finite gradient
 into a non-finite update (a NaN learning rate or damping from a schedule, an inverse that
-overflowed), so this wrapper runs the inner update, then keeps its result only if the gradient
-and the update are both finite; otherwise it returns zero updates and the inner state as it was
-(momentum, curvature blocks, counts), and never gives up. Its state is optax's own
-``ApplyIfFiniteState``, so the counters read as they do under ``optax.apply_if_finite``.
+overflowed), and a check step can bring non-finite curvature statistics with a finite
+gradient, so this wrapper runs the inner update, then keeps its result only if the gradient,
+the statistics (``curvature_stats=``) and the update are all finite; otherwise it returns zero
+updates and the inner state as it was (momentum, curvature blocks, counts), and never gives up.
+Its state is optax's own ``ApplyIfFiniteState``, so the counters read as they do under
+``optax.apply_if_finite``.
 
 Every alias of this package (``thor``, ``kfac``, ``skfac``, ``kaisa``, ``spngd``) wraps its
 chain in it unless built with ``skip_not_finite=False``.
@@ -45,7 +48,8 @@ def _gradient_finite(grads: Any, gradient_stats: Any) -> jax.Array:
 
 def skip_not_finite(inner: optax.GradientTransformation
                     ) -> optax.GradientTransformationExtraArgs:
-  """Wraps ``inner`` so that a step with a non-finite gradient or update changes nothing.
+  """Wraps ``inner`` so that a step with a non-finite gradient, statistics or update changes
+  nothing.
 
   Args:
     inner: any optax transformation (extra arguments such as ``curvature_stats=`` are passed
@@ -64,6 +68,9 @@ def skip_not_finite(inner: optax.GradientTransformation
   not, and their kernel gradient, not read, is then never computed under jit. Every other
   gradient leaf, and the whole update, are checked as always.
 
+  On a check step the statistics (``curvature_stats=``) are checked too: non-finite statistics
+  skip the step as a non-finite gradient does.
+
   Unlike ``optax.apply_if_finite`` the update is checked too, and the wrapper never gives up:
   read ``notfinite_count`` (e.g. ``optax.tree_utils.tree_get(opt_state, 'notfinite_count')``)
   to stop a run whose steps keep failing.
@@ -79,7 +86,8 @@ def skip_not_finite(inner: optax.GradientTransformation
 
   def update_fn(updates, state, params=None, **extra_args):
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
-    finite = _gradient_finite(updates, extra_args.get("gradient_stats")) & all_finite(new_updates)
+    finite = (_gradient_finite(updates, extra_args.get("gradient_stats"))
+              & all_finite(extra_args.get("curvature_stats", ())) & all_finite(new_updates))
     # select(p, x, x) folds to x under jit: leaves the step left alone cost nothing here.
     # (lax.select keeps typed PRNG keys; jnp.where would turn them into their key data.)
     inner_state = jax.tree_util.tree_map(lambda new, old: jax.lax.select(finite, new, old),

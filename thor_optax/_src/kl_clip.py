@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from thor_optax._src import stats as stats_lib
+
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
 
 
@@ -64,12 +66,26 @@ def kl_clip_factor(updates: Any, grads: Any, learning_rate: Any, max_kl: Any) ->
     scalar ``nu`` (float32, float64 for float64 trees) in ``(0, 1]``; exactly 1 when the
     denominator ``|lr^2 <u, g>|`` is 0 or not finite.
   """
+  return clip_factor(tree_inner_product(updates, grads), learning_rate, max_kl)
+
+
+def tree_inner_product(updates: Any, grads: Any, skip: frozenset[str] = frozenset()
+                       ) -> jax.Array:
+  """``sum_leaves sum(u * g)`` in float32 or wider, leaving out the leaves of the layers (module
+  paths) in ``skip``."""
   # Elementwise products and sums, not ``optax.tree_utils.tree_vdot``: a dot product over an
   # axis sharded with an explicit sharding (a kernel split over a model axis) is rejected.
-  products = jax.tree_util.tree_map(lambda u, g: jnp.sum(u * g), _at_least_float32(updates),
-                                    _at_least_float32(grads))
-  vg = jnp.asarray(sum(jax.tree_util.tree_leaves(products), jnp.zeros((), jnp.float32)))
-  vg = vg.astype(jnp.promote_types(vg.dtype, jnp.float32))
+  flat_u = jax.tree_util.tree_flatten_with_path(_at_least_float32(updates))[0]
+  flat_g = jax.tree_util.tree_leaves(_at_least_float32(grads))
+  vg = jnp.zeros((), jnp.float32)
+  for (path, u), g in zip(flat_u, flat_g):
+    if not skip or stats_lib.layer_name(stats_lib.path_keys(path)[:-1]) not in skip:
+      vg = vg + jnp.sum(u * g)
+  return vg.astype(jnp.promote_types(vg.dtype, jnp.float32))
+
+
+def clip_factor(vg: jax.Array, learning_rate: Any, max_kl: Any) -> jax.Array:
+  """``nu = min(1, sqrt(max_kl / |lr^2 vg|))``, 1 where that denominator is 0 or not finite."""
   lr = jnp.asarray(learning_rate, vg.dtype)
   denom = jnp.abs(lr * lr * vg)
   ok = jnp.isfinite(denom) & (denom > 0)
@@ -95,6 +111,11 @@ def scale_by_kl_clip(
   decay (as :func:`thor_optax.kaisa` does): ``grads`` must be the raw gradient and ``u`` the
   preconditioned one. ``learning_rate`` is only read here (it is the step size the chain
   applies later), not applied.
+
+  With ``gradient_stats=`` (a plain step from the rows, :func:`thor_optax.scale_by_thor`) the
+  preconditioner reports ``<u, g>`` of each layer it preconditioned from its rows, computed from
+  the rows (sample space), and those layers' gradient leaves are not read here: their kernel
+  gradients are never formed.
 
   The inner product and the scale run over every leaf of the tree; kfac-pytorch restricts both
   to the layers it preconditions, so leaves the preconditioner passes through unchanged
@@ -130,9 +151,14 @@ def scale_by_kl_clip(
                        scale=jnp.ones([], jnp.float32))
 
   def update_fn(updates, state, params=None, **extra_args):
+    from_rows = {}  # <u, g> of the layers the preconditioner took from their rows
+    if getattr(extra_args.get("gradient_stats"), "exact_rows", ()):
+      extra_args = {**extra_args, "inner_products": from_rows}
     precond, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    nu = kl_clip_factor(precond, updates, lr, max_kl)
+    vg = tree_inner_product(precond, updates, frozenset(from_rows))
+    vg = sum(from_rows.values(), vg)  # (promotes: float64 rows keep float64)
+    nu = clip_factor(vg, lr, max_kl)
     clipped = jax.tree_util.tree_map(lambda u: u * nu.astype(jnp.asarray(u).dtype), precond)
     new_state = KLClipState(count=optax.safe_int32_increment(state.count),
                             inner_state=inner_state, scale=nu.astype(jnp.float32))

@@ -43,6 +43,10 @@ def layer_update(spec: Any, leaves: dict, blocks_of: dict, side: Any, cfg: Any,
     rows: the layer's statistics when it is preconditioned in sample space (its kernel and
       bias gradients are then not read), else ``None``.
     num_loss_terms: ``M`` of those statistics.
+
+  Returns:
+    the new leaves; with ``rows``, ``(leaves, u, vg)``: also the ``(d_A, d_G)`` update
+    matrix and ``<u, X>`` when computed in sample space (``sample_space.layer_update``).
   """
   if spec.g is None:
     return spec.kind.side_precondition(spec, leaves, side, dtype)
@@ -50,10 +54,11 @@ def layer_update(spec: Any, leaves: dict, blocks_of: dict, side: Any, cfg: Any,
        else spec.kind.a_operator(spec, side, cfg.method))
   g = cfg.group_method(spec.g.group).operator(blocks_of["g"])
   if rows is not None:
-    y = sample_space.layer_update(spec, rows, a, g, num_loss_terms, dtype)
-  else:
-    x = spec.kind.to_matrix(spec, leaves, dtype)
-    y = cfg.method.precondition(x, a, g, jnp.asarray(lam, dtype), ready)
+    y, vg = sample_space.layer_update(spec, rows, a, g, num_loss_terms, dtype)
+    return spec.kind.from_matrix(spec, y, leaves), y, vg
+  x = spec.kind.to_matrix(spec, leaves, dtype)
+  y = cfg.method.precondition(x, a, g, jnp.asarray(lam, dtype), ready,
+                              cfg.damping.min_relative_damping)
   return spec.kind.from_matrix(spec, y, leaves)
 
 
@@ -66,7 +71,7 @@ def _ready(state: Any, spec: Any) -> jax.Array:
 
 def precondition(updates: Any, state: Any, layout: blocks.BlockLayout, cfg: Any,
                  lam: jax.Array, dtype: jnp.dtype, rows: Optional[dict] = None,
-                 num_loss_terms: int = 1) -> Any:
+                 num_loss_terms: int = 1, inner_products: Optional[dict] = None) -> Any:
   """Applies the stored curvature of ``state`` (a ``KroneckerState``) to a gradient tree.
 
   Args:
@@ -80,6 +85,10 @@ def precondition(updates: Any, state: Any, layout: blocks.BlockLayout, cfg: Any,
       (``sample_space.layers_with_rows``; a stack's flattened to ``(copies, ...)``), whose
       gradient leaves are then not read; ``None``: every layer from its gradient.
     num_loss_terms: ``M`` of those statistics.
+    inner_products: a dict to fill, or ``None``: for each layer preconditioned from its rows,
+      ``<u, g>`` of its update and its gradient (float32 or wider scalar, summed over a
+      stack; averaged across replicas under ``axis_name``), computed from the rows so that
+      a KL clip need not form the gradient (``kl_clip.scale_by_kl_clip``).
 
   Returns:
     a tree like ``updates``; under an explicit-sharding mesh every preconditioned leaf has the
@@ -102,17 +111,29 @@ def precondition(updates: Any, state: Any, layout: blocks.BlockLayout, cfg: Any,
     layer_rows = (rows or {}).get(spec.name)
 
     def apply(leaves, blocks_of, side, layer_rows, one=one):
-      new = layer_update(one, leaves, blocks_of, side, cfg, lam, dtype, ready, layer_rows,
-                         num_loss_terms)
-      return new if layer_rows is None else replicas.mean(new, cfg.axis_name)
+      if layer_rows is None:
+        return layer_update(one, leaves, blocks_of, side, cfg, lam, dtype, ready), None
+      new, u, vg = layer_update(one, leaves, blocks_of, side, cfg, lam, dtype, ready,
+                                layer_rows, num_loss_terms)
+      new = replicas.mean(new, cfg.axis_name)
+      if inner_products is None:
+        return new, None
+      if replicas.names(cfg.axis_name) or vg is None:  # <mean u, X> from this replica's rows
+        u = replicas.mean(u, cfg.axis_name)
+        vg = replicas.mean(sample_space.inner_product(one, layer_rows, u, num_loss_terms, dtype),
+                           cfg.axis_name)
+      return new, vg
 
     if spec.stack:
-      new = jax.vmap(apply)(spec.flat_stack(leaves), jax.tree.map(
+      new, vg = jax.vmap(apply)(spec.flat_stack(leaves), jax.tree.map(
           lambda v, c=spec.copies: v.reshape((c, -1) + v.shape[1:]), blocks_of), side,
           layer_rows)
       new = spec.unflat_stack(new, leaves)
+      vg = None if vg is None else jnp.sum(vg)
     else:
-      new = apply(leaves, blocks_of, side, layer_rows)
+      new, vg = apply(leaves, blocks_of, side, layer_rows)
+    if vg is not None:
+      inner_products[spec.name] = vg
     new_leaves.update({spec.path + (name,): explicit.reshard_like(leaf, given[name])
                        for name, leaf in new.items()})
 

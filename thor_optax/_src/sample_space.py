@@ -31,7 +31,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +76,7 @@ def eligible(spec: layer_base.LayerSpec, cfg: Any) -> bool:
 
 
 def layer_update(spec: layer_base.LayerSpec, stats: Any, a_inverse: Any, g_inverse: Any,
-                 num_loss_terms: int, dtype: jnp.dtype) -> jax.Array:
+                 num_loss_terms: int, dtype: jnp.dtype) -> tuple[jax.Array, Optional[jax.Array]]:
   """``A^-1 X G^-1`` with ``X = a^T g / M`` formed from the rows, each factor applied on its
   cheaper side (:func:`sides`): ``(a A^-1)^T (g G^-1) / M`` when both are narrow in rows.
 
@@ -88,22 +88,41 @@ def layer_update(spec: layer_base.LayerSpec, stats: Any, a_inverse: Any, g_inver
     dtype: the curvature's dtype.
 
   Returns:
-    ``(d_A, d_G)``, the bias row last, as ``A^-1 X G^-1`` of the gradient matrix ``X``.
+    ``(u, vg)``: ``u`` ``(d_A, d_G)``, the bias row last, as ``A^-1 X G^-1`` of the gradient
+    matrix ``X``; ``vg`` the scalar ``<u, X>`` (what a KL clip needs) in sample space when both
+    factors are applied on the rows, ``sum((a A^-1 a^T) * (g G^-1 g^T)) / M^2`` at
+    ``2 R^2 (d_A + d_G)`` FLOPs instead of the ``2 R d_A d_G`` of ``X``, else ``None``
+    (:func:`inner_product` from ``u``). XLA drops it when unused.
   """
-  a = spec.kind.input_rows(spec, stats, dtype).rows            # (R, d_A)
-  g = spec.kind.cotangent_rows(spec, stats, dtype).rows        # (R, d_G)
+  a0 = spec.kind.input_rows(spec, stats, dtype).rows           # (R, d_A)
+  g0 = spec.kind.cotangent_rows(spec, stats, dtype).rows       # (R, d_G)
+  a, g = a0, g0
   side = sides(spec, a.shape[0])
   if side.a:
     a = a_inverse.right(a)                                      # a A^-1 (A^-1 symmetric)
   if side.g:
     g = g_inverse.right(g)                                      # g G^-1
   x = jnp.einsum("ri,rj->ij", a, g, out_sharding=explicit.contraction_sharding(a, g))
-  x = x / jnp.asarray(num_loss_terms, dtype)
+  m = jnp.asarray(num_loss_terms, dtype)
+  x = x / m
+  vg = None
+  if side.a and side.g:  # <P^T Q, a0^T g0> / M^2 = sum((P a0^T) * (Q g0^T)) / M^2
+    vg = jnp.sum(jnp.einsum("ri,si->rs", a, a0) * jnp.einsum("rj,sj->rs", g, g0)) / (m * m)
   if not side.a:
     x = a_inverse.left(x)
   if not side.g:
     x = g_inverse.right(x)
-  return x
+  return x, vg
+
+
+def inner_product(spec: layer_base.LayerSpec, stats: Any, u: jax.Array, num_loss_terms: int,
+                  dtype: jnp.dtype) -> jax.Array:
+  """``<u, X>`` with ``X = a^T g / M`` from the rows: ``sum((a u) * g) / M`` (``2 R d_A d_G``
+  FLOPs, those of ``X``; used where a factor is not applied on the rows, or ``u`` is averaged
+  across replicas)."""
+  a = spec.kind.input_rows(spec, stats, dtype).rows
+  g = spec.kind.cotangent_rows(spec, stats, dtype).rows
+  return jnp.sum((a @ u) * g) / jnp.asarray(num_loss_terms, dtype)
 
 
 def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.BlockLayout,

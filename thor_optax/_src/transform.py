@@ -246,6 +246,16 @@ def _check_state_matches(layout: blocks.BlockLayout, state: KroneckerState,
   def shapes(s):
     return jax.tree.map(lambda x: tuple(x.shape), (s.blocks, s.layers))
 
+  want_layers = sorted(spec.name for spec in layout.layers if spec.g is not None)
+  if sorted(state.diagnostics) != want_layers:
+    extra = sorted(set(state.diagnostics) - set(want_layers))
+    lacking = sorted(set(want_layers) - set(state.diagnostics))
+    raise ValueError(
+        "optimizer state does not match the gradient tree: the state was initialised for the "
+        f"layers {sorted(state.diagnostics)}, the gradients have the layers {want_layers} "
+        f"(only in the state: {extra}; only in the gradients: {lacking}). Initialise the "
+        "state with tx.init(params) of the model whose gradients you pass (a renamed module "
+        "or another model gives other layer paths).")
   want = shapes(jax.eval_shape(lambda: init_state(layout, jnp.float32, cfg)))
   have = shapes(state)
   if want != have:
@@ -281,6 +291,16 @@ def _masked_modules(updates: Any) -> frozenset[str]:
                    if isinstance(leaf, optax.MaskedNode))
 
 
+def _reject_step(ok: jax.Array, updates: Any, state: KroneckerState,
+                 given: KroneckerState) -> tuple[Any, KroneckerState]:
+  """Unless ``ok`` (a damping from a schedule that is finite and positive): NaN updates, so
+  that the aliases' non-finite guard skips and counts the step, and the curvature state as it
+  was given (nothing refreshed)."""
+  updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.full_like(u, jnp.nan)), updates)
+  state = jax.tree.map(lambda new, old: jax.lax.select(ok, new, old), state, given)
+  return updates, state
+
+
 def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtraArgs:
   """The transform of a set of pieces: ``update(..., curvature_stats=)`` runs a check step."""
 
@@ -290,8 +310,10 @@ def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtr
     return init_state(cfg.layout(params), _state_dtype(params, cfg.dtype), cfg)
 
   def update_fn(updates, state, params=None, *, curvature_stats=None, gradient_stats=None,
-                **extra_args):
-    # curvature_stats: a check step; gradient_stats: a plain step from the rows (sample space).
+                inner_products=None, **extra_args):
+    # curvature_stats: a check step; gradient_stats: a plain step from the rows (sample space);
+    # inner_products: a dict the layers preconditioned from their rows report <u, g> in (for
+    # scale_by_kl_clip, which then need not form their gradients).
     del params, extra_args
     layout = cfg.layout(updates)
     _check_state_matches(layout, state, cfg)
@@ -310,8 +332,11 @@ def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtr
                                                    _masked_modules(updates))
       num_loss_terms = gradient_stats.num_loss_terms
     updates = precondition_lib.precondition(updates, state, layout, cfg, lam,
-                                            check_lib.state_dtype(state), rows, num_loss_terms)
+                                            check_lib.state_dtype(state), rows, num_loss_terms,
+                                            inner_products if rows else None)
     state = jax.tree.map(explicit.reshard_like, state, given)
+    if not isinstance(lam, (int, float)):  # a schedule's or a traced value: checked here
+      updates, state = _reject_step(jnp.isfinite(lam) & (lam > 0), updates, state, given)
     return updates, state._replace(count=optax.safe_int32_increment(state.count))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -334,6 +359,7 @@ def scale_by_thor(
     trace_thresholds: tuple[float, float] = (0.01, 0.0),
     ema_decay: Optional[float] = None,
     pi_damping: bool = False,
+    min_relative_damping: float = 0.0,
     refresh_buckets: int = 4,
     inverse_method: str = "cholesky",
     conv_statistics: str = "expand",
@@ -378,6 +404,12 @@ def scale_by_thor(
       new`` over its refreshes (stored in the state; doubles its memory). THOR uses ``None``:
       the current batch only.
     pi_damping: split the damping with the pi rule (Martens & Grosse 2015, section 6.3).
+    min_relative_damping: floor ``rho >= 0`` on each block's damping, relative to its mean
+      eigenvalue: a factor block ``B`` of dimension ``d`` formed from ``R`` rows gets at least
+      ``rho tr(B) / min(R, d)`` (eigh: each factor's eigenvalues are floored at ``rho`` times
+      their mean before ``lambda`` is added to their products). It bounds what a stale inverse
+      of a singular current-batch factor does to new gradients when ``lambda`` is small; 0
+      (default): none, the papers' damping. The aliases use 0.1 (README, "Robustness").
     refresh_buckets: number of static budgets a masked refresh chooses from (see
       ``blocks.masked_block_update``); more buckets track the refreshed count more tightly at
       the cost of compile time.
@@ -475,7 +507,7 @@ def scale_by_thor(
       method=inverses.make(inverse_method, woodbury_rows),
       policy=trace_rule.TraceRule(*trace_thresholds),
       accumulator=_accumulator(ema_decay, inverse_period, None),
-      damping=damping_lib.FactoredDamping(pi_damping),
+      damping=damping_lib.FactoredDamping(pi_damping, min_relative_damping),
       sampling=conv.ConvSampling(conv_statistics, spatial_samples),
       subsample_key=subsample_key, num_buckets=refresh_buckets, dtype=dtype,
       block_sharding=block_sharding, axis_name=axis_name, layers=layers))
@@ -487,6 +519,7 @@ def scale_by_kfac(
     ema_decay: Optional[float] = 0.95,
     block_size: Optional[int] = None,
     pi_damping: bool = False,
+    min_relative_damping: float = 0.0,
     inverse_method: str = "cholesky",
     conv_statistics: str = "expand",
     spatial_samples: Optional[int] = None,
@@ -520,6 +553,7 @@ def scale_by_kfac(
       ``None`` for the current batch only.
     block_size: ``None`` (default) inverts whole factors; an int splits them as THOR does.
     pi_damping: split the damping with the pi rule.
+    min_relative_damping: floor on each block's damping; see :func:`scale_by_thor`.
     inverse_method, conv_statistics, spatial_samples, subsample_key, inverse_period: see
       :func:`scale_by_thor`.
     adaptive_refresh: SP-NGD's tolerance ``tol`` on the relative Frobenius change, or ``None``
@@ -550,7 +584,7 @@ def scale_by_kfac(
       policy=(every_check.EveryCheck() if adaptive_refresh is None
               else adaptive.Adaptive(adaptive_refresh, max_refresh_interval)),
       accumulator=_accumulator(ema_decay, inverse_period, adaptive_refresh),
-      damping=damping_lib.FactoredDamping(pi_damping),
+      damping=damping_lib.FactoredDamping(pi_damping, min_relative_damping),
       sampling=conv.ConvSampling(conv_statistics, spatial_samples),
       subsample_key=subsample_key, num_buckets=1 if adaptive_refresh is None else 4,
       dtype=dtype, block_sharding=block_sharding, axis_name=axis_name, layers=layers))

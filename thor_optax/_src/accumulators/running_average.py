@@ -60,12 +60,18 @@ class RunningAverage(base.FactorAccumulator):
   stores_factors = True
 
   def __init__(self, decay: float, inverse_period: Period):
+    static = ("It decides the state's layout and the inversion steps in Python, so it cannot "
+              "be a traced value: with optax.inject_hyperparams pass static_args=('ema_decay', "
+              "'inverse_period').")
+    if not isinstance(decay, (int, float)) or isinstance(decay, bool):
+      raise ValueError(f"ema_decay must be a Python float in [0, 1) or None, got {decay!r}. "
+                       + static)
     if not 0.0 <= decay < 1.0:
       raise ValueError(f"ema_decay must be in [0, 1) or None, got {decay}")
     if isinstance(inverse_period, bool) or not (
         callable(inverse_period) or (isinstance(inverse_period, int) and inverse_period >= 1)):
       raise ValueError(f"inverse_period must be an int >= 1 or a schedule of the step, got "
-                       f"{inverse_period!r}")
+                       f"{inverse_period!r}. " + static)
     self.decay, self.inverse_period = float(decay), inverse_period
 
   def describe(self) -> str:

@@ -134,9 +134,10 @@ class InverseMethod:
     return BlockInverse(state.inverse)
 
   def precondition(self, x: jax.Array, a: Any, g: Any, damping: jax.Array,
-                   ready: jax.Array) -> jax.Array:
-    """``A^-1 x G^-1`` for a layer's ``(d_A, d_G)`` gradient matrix ``x`` (factor by factor)."""
-    del damping, ready
+                   ready: jax.Array, min_relative_damping: float = 0.0) -> jax.Array:
+    """``A^-1 x G^-1`` for a layer's ``(d_A, d_G)`` gradient matrix ``x`` (factor by factor;
+    the damping and its floor ``min_relative_damping`` are in the stored inverses already)."""
+    del damping, ready, min_relative_damping
     return g.right(a.left(x))
 
   def diagonal_init(self, dim: int, dtype: jnp.dtype) -> jax.Array:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from thor_optax._src import blocks
+from thor_optax._src import damping as damping_lib
 from thor_optax._src import linalg
 from thor_optax._src.inverses import base
 
@@ -74,7 +75,7 @@ class Eigh(base.InverseMethod):
   def operator(self, state):
     return EigenBlocks(state.eigenvectors, state.eigenvalues)
 
-  def precondition(self, x, a, g, damping, ready):
+  def precondition(self, x, a, g, damping, ready, min_relative_damping=0.0):
     # The rotation runs in padded coordinates: a block's eigenvalues are sorted, so those of its
     # identity padding are not at the end, and each eigenvalue must stay with its column.
     q_g = g.eigenvectors
@@ -88,6 +89,8 @@ class Eigh(base.InverseMethod):
       y = _pad_to(x, q_a.shape[0] * q_a.shape[1], padded_g)
       y = blocks.left_multiply(jnp.swapaxes(q_a, -1, -2), y)
     y = blocks.right_multiply(y, q_g)
+    d_a = damping_lib.floored_eigenvalues(d_a, min_relative_damping)
+    d_g = damping_lib.floored_eigenvalues(d_g, min_relative_damping)
     y = y / (d_a[:, None] * d_g[None, :] + damping)
     y = blocks.right_multiply(y, jnp.swapaxes(q_g, -1, -2))
     if not isinstance(a, EigenDiagonal):

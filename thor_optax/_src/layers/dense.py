@@ -64,17 +64,20 @@ def with_ones(rows: jax.Array) -> jax.Array:
 
 
 def check_cotangents(spec: base.LayerSpec, stats) -> None:
-  """Raises ``ValueError`` naming the layer unless cotangents are ``(S, N, ..., d_out)``."""
+  """Raises ``ValueError`` naming the layer unless cotangents are ``(S, N, ..., d_out)``
+  floating-point values."""
   g = stats.cotangents
+  _check_float(spec, "cotangents", g)
   if g.ndim < 2 or g.shape[-1] != spec.d_out:
     raise ValueError(
         f"{where(spec)}: cotangents must have shape (S, N, ..., {spec.d_out}), got {g.shape}.")
 
 
 def check_inputs(spec: base.LayerSpec, stats, c_in: int) -> None:
-  """Raises ``ValueError`` naming the layer unless inputs are ``(N, ..., c_in)`` with the
-  cotangents' ``N``."""
+  """Raises ``ValueError`` naming the layer unless inputs are ``(N, ..., c_in)`` floating-point
+  values with the cotangents' ``N``."""
   a, g = stats.inputs, stats.cotangents
+  _check_float(spec, "inputs", a)
   if a.shape[-1] != c_in:
     raise ValueError(f"{where(spec)}: inputs have trailing dimension {a.shape[-1]}, expected "
                      f"{c_in}.")
@@ -82,6 +85,14 @@ def check_inputs(spec: base.LayerSpec, stats, c_in: int) -> None:
     raise ValueError(
         f"{where(spec)}: cotangents have {g.shape[1]} examples on axis 1, inputs {a.shape[0]} "
         "on axis 0.")
+
+
+def _check_float(spec: base.LayerSpec, field: str, x: jax.Array) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    raise ValueError(
+        f"{where(spec)}: {field} have dtype {x.dtype}; the curvature is formed from "
+        "floating-point statistics. Pass the statistics as value_and_grad_with_stats returns "
+        "them (not cast to integers).")
 
 
 def where(spec: base.LayerSpec) -> str:
