@@ -2,7 +2,7 @@
 
 Users tune the learning rate and the damping on a grid; an optimizer that blows up on much of it
 gets dropped. For every second-order alias of ``thor_optax`` (its defaults otherwise, its check
-schedule of ``benchmarks/mnist.py``) and SGD-momentum, this trains a model of
+schedule of ``benchmarks/mnist.py``), SGD-momentum and Adam, this trains a model of
 ``benchmarks/mnist.py`` on the first ``--digits`` training digits (batch ``--batch-size``,
 ``--steps`` steps, the same init and batches for every run) at every learning rate of
 ``--learning-rates`` and every damping of ``--dampings``, and counts per alias:
@@ -18,7 +18,7 @@ traced scalars (constant schedules built inside the jitted steps), so the grid c
 steps.
 
 Run (defaults: the MLP of ``mnist.py``, 1,000 digits, batch 100, 300 steps, learning rates
-0.003-0.3 x damping 1e-4-0.1, the five aliases and SGD)::
+0.003-0.3 x damping 1e-4-0.1, the five aliases, SGD and Adam)::
 
   python3 benchmarks/robustness.py
   python3 benchmarks/robustness.py --task cnn --steps 150 --aliases thor kfac
@@ -44,14 +44,16 @@ import mnist  # benchmarks/mnist.py, beside this script
 import options
 
 ALIASES = ("thor", "kfac", "skfac", "kaisa", "spngd")
+FIRST_ORDER = {"sgd": lambda lr: optax.sgd(lr, momentum=0.9), "adam": optax.adam}
 
 
 def make_tx(name: str, learning_rate, damping, batch_size: int) -> optax.GradientTransformation:
   """The alias ``name`` at a (traced) learning rate and damping, its other settings as in
-  ``benchmarks/mnist.py``; ``'sgd'``: optax SGD with momentum 0.9 (no damping)."""
+  ``benchmarks/mnist.py``; ``'sgd'``: optax SGD with momentum 0.9, ``'adam'``: optax Adam (no
+  damping)."""
   lr = lambda _: learning_rate  # constant schedules: the values may be traced
-  if name == "sgd":
-    return optax.sgd(lr, momentum=0.9)
+  if name in FIRST_ORDER:
+    return FIRST_ORDER[name](lr)
   kwargs = {"thor": dict(block_size=128), "skfac": dict(woodbury_rows=batch_size)}.get(name, {})
   return getattr(thor_optax, name)(lr, lambda _: damping, **kwargs)
 
@@ -94,7 +96,7 @@ def grid_runs(model, variables, name: str, data: mnist.Split, batches: list, che
     finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(p))
     last = float(np.mean(losses[-10:]))
     records.append(dict(
-        optimizer=name, learning_rate=lr, damping=damping if name != "sgd" else None,
+        optimizer=name, learning_rate=lr, damping=damping if name in ALIASES else None,
         skipped_steps=int(skipped) if skipped is not None else 0,
         non_finite=not (finite and math.isfinite(last)),
         diverged=not (last <= losses[0]), first_loss=losses[0], final_loss=last))
@@ -106,8 +108,8 @@ def grid_runs(model, variables, name: str, data: mnist.Split, batches: list, che
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--task", choices=("mlp", "cnn"), default="mlp")
-  p.add_argument("--aliases", nargs="+", choices=ALIASES + ("sgd",),
-                 default=list(ALIASES) + ["sgd"])
+  p.add_argument("--aliases", nargs="+", choices=ALIASES + tuple(FIRST_ORDER),
+                 default=list(ALIASES) + list(FIRST_ORDER))
   p.add_argument("--digits", type=int, default=1000, help="(default: %(default)s)")
   p.add_argument("--batch-size", type=int, default=100, help="(default: %(default)s)")
   p.add_argument("--steps", type=int, default=300, help="(default: %(default)s)")
@@ -125,7 +127,7 @@ def main(argv=None) -> None:
   rows = []
   for name in args.aliases:
     start = time.perf_counter()
-    dampings = args.dampings if name != "sgd" else [0.0]
+    dampings = args.dampings if name in ALIASES else [0.0]
     grid = list(itertools.product(args.learning_rates, dampings))
     records = grid_runs(model, variables, name, data, batches, mnist.DEFAULT_CHECKS.get(name),
                         grid, args.batch_size)
