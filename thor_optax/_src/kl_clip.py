@@ -52,23 +52,6 @@ def _at_least_float32(tree: Any) -> Any:
       tree)
 
 
-def kl_clip_factor(updates: Any, grads: Any, learning_rate: Any, max_kl: Any) -> jax.Array:
-  """The KL-clip factor ``nu = min(1, sqrt(max_kl / |lr^2 <updates, grads>|))``.
-
-  Args:
-    updates: the preconditioned update tree ``u`` (same structure as ``grads``).
-    grads: the gradient tree ``g``.
-    learning_rate: scalar ``lr`` (array or float).
-    max_kl: scalar bound ``kappa`` on ``lr^2 <u, g>`` (dimensionless, a KL in nats up to the
-      factor 2 that kfac-pytorch drops).
-
-  Returns:
-    scalar ``nu`` (float32, float64 for float64 trees) in ``(0, 1]``; exactly 1 when the
-    denominator ``|lr^2 <u, g>|`` is 0 or not finite.
-  """
-  return clip_factor(tree_inner_product(updates, grads), learning_rate, max_kl)
-
-
 def tree_inner_product(updates: Any, grads: Any, skip: frozenset[str] = frozenset()
                        ) -> jax.Array:
   """``sum_leaves sum(u * g)`` in float32 or wider, leaving out the leaves of the layers (module
@@ -85,7 +68,19 @@ def tree_inner_product(updates: Any, grads: Any, skip: frozenset[str] = frozense
 
 
 def clip_factor(vg: jax.Array, learning_rate: Any, max_kl: Any) -> jax.Array:
-  """``nu = min(1, sqrt(max_kl / |lr^2 vg|))``, 1 where that denominator is 0 or not finite."""
+  """The KL-clip factor ``nu = min(1, sqrt(max_kl / |lr^2 vg|))``.
+
+  Args:
+    vg: scalar ``<u, g>`` of the preconditioned update and the gradient
+      (:func:`tree_inner_product`, plus what the preconditioner computed from rows).
+    learning_rate: scalar ``lr`` (array or float).
+    max_kl: scalar bound ``kappa`` on ``lr^2 <u, g>`` (dimensionless, a KL in nats up to the
+      factor 2 that kfac-pytorch drops).
+
+  Returns:
+    scalar ``nu`` (``vg``'s dtype) in ``(0, 1]``; exactly 1 when the denominator
+    ``|lr^2 vg|`` is 0 or not finite.
+  """
   lr = jnp.asarray(learning_rate, vg.dtype)
   denom = jnp.abs(lr * lr * vg)
   ok = jnp.isfinite(denom) & (denom > 0)
