@@ -28,6 +28,7 @@ import pytest
 
 import thor_optax
 from thor_optax.flax import value_and_grad_with_stats
+from thor_optax._src import blocks as blocks_lib
 
 from reference import softmax_ce
 
@@ -192,9 +193,7 @@ def test_all_zero_batch_keeps_the_inverses_it_cannot_inform(name):
                                   check=True)
   new_kron = _find_kronecker(new_state)
   _assert_all_finite((new_params, new_state), name)
-  a_blocks = _a_blocks(kron, "Dense_0")
-  assert a_blocks is not None
-  group, span = a_blocks
+  group, span = _a_blocks(name, "Dense_0")
   _assert_tree_equal(jax.tree.map(lambda v: v[span], new_kron.blocks[group]["inverse"]),
                      jax.tree.map(lambda v: v[span], kron.blocks[group]["inverse"]),
                      f"{name}: the zero batch replaced Dense_0's A inverse")
@@ -209,18 +208,11 @@ def _find_kronecker(state):
   return found[0]
 
 
-def _a_blocks(kron, layer):
-  """(group, slice) of ``layer``'s A blocks in the state, from the layout of Net's params."""
-  from thor_optax._src import blocks as blocks_lib
+def _a_blocks(name, layer):
+  """(group, slice) of ``layer``'s A blocks in alias ``name``'s state (its block size)."""
   params = Net().init(jax.random.PRNGKey(0), _data()[0])["params"]
-  for block_size in (4, None):
-    layout = blocks_lib.build_layout(params, block_size)
-    spec = layout.layer(layer)
-    if spec.a.group in kron.blocks and (
-        jax.tree.leaves(kron.blocks[spec.a.group]["inverse"])[0].shape[0]
-        == layout.groups[spec.a.group][1]):
-      return spec.a.group, slice(spec.a.start, spec.a.stop)
-  return None
+  spec = blocks_lib.build_layout(params, ALIASES[name][1].get("block_size")).layer(layer)
+  return spec.a.group, slice(spec.a.start, spec.a.stop)
 
 
 # ------------------------------------------------------------------------------------------
