@@ -45,8 +45,8 @@ def layer_update(spec: Any, leaves: dict, blocks_of: dict, side: Any, cfg: Any,
     num_loss_terms: ``M`` of those statistics.
 
   Returns:
-    the new leaves; with ``rows``, ``(leaves, u, vg)``: also the ``(d_A, d_G)`` update
-    matrix and ``<u, X>`` when computed in sample space (``sample_space.layer_update``).
+    the new leaves; with ``rows``, ``(u, vg)`` instead: the ``(d_A, d_G)`` update matrix and
+    ``<u, X>`` when computed in sample space (``sample_space.layer_update``).
   """
   if spec.g is None:
     return spec.kind.side_precondition(spec, leaves, side, dtype)
@@ -54,8 +54,7 @@ def layer_update(spec: Any, leaves: dict, blocks_of: dict, side: Any, cfg: Any,
        else spec.kind.a_operator(spec, side, cfg.method))
   g = cfg.group_method(spec.g.group).operator(blocks_of["g"])
   if rows is not None:
-    y, vg = sample_space.layer_update(spec, rows, a, g, num_loss_terms, dtype)
-    return spec.kind.from_matrix(spec, y, leaves), y, vg
+    return sample_space.layer_update(spec, rows, a, g, num_loss_terms, dtype)
   x = spec.kind.to_matrix(spec, leaves, dtype)
   y = cfg.method.precondition(x, a, g, jnp.asarray(lam, dtype), ready,
                               cfg.damping.min_relative_damping)
@@ -113,13 +112,13 @@ def precondition(updates: Any, state: Any, layout: blocks.BlockLayout, cfg: Any,
     def apply(leaves, blocks_of, side, layer_rows, one=one):
       if layer_rows is None:
         return layer_update(one, leaves, blocks_of, side, cfg, lam, dtype, ready), None
-      new, u, vg = layer_update(one, leaves, blocks_of, side, cfg, lam, dtype, ready,
-                                layer_rows, num_loss_terms)
-      new = replicas.mean(new, cfg.axis_name)
+      u, vg = layer_update(one, leaves, blocks_of, side, cfg, lam, dtype, ready, layer_rows,
+                           num_loss_terms)
+      u = replicas.mean(u, cfg.axis_name)
+      new = one.kind.from_matrix(one, u, leaves)
       if inner_products is None:
         return new, None
       if replicas.names(cfg.axis_name) or vg is None:  # <mean u, X> from this replica's rows
-        u = replicas.mean(u, cfg.axis_name)
         vg = replicas.mean(sample_space.inner_product(one, layer_rows, u, num_loss_terms, dtype),
                            cfg.axis_name)
       return new, vg
