@@ -9,7 +9,8 @@ on a plain step, NaN statistics, a damping of 0 or below, a NaN learning rate (e
 parameters and the whole optimizer state unchanged, counted in ``total_notfinite``); a damping
 of 1e-12 (accepted: the damping floor and the KL clip keep the step bounded); an all-zero batch
 on a check step (accepted, but the blocks it zeroed keep their inverses). After each fault the
-run goes on with clean steps and must train.
+run goes on with clean steps and must train. Blocks whose statistics vanish next to their
+damping or are near-singular once damped keep their inverses (``damping.resolvable``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import pytest
 import thor_optax
 from thor_optax.flax import value_and_grad_with_stats
 from thor_optax._src import blocks as blocks_lib
+from thor_optax._src import damping as damping_lib
+from thor_optax._src import linalg
 
 from reference import softmax_ce
 
@@ -183,7 +186,8 @@ def test_tiny_damping_step_is_bounded_by_the_floor_and_the_kl_clip(name):
 @pytest.mark.parametrize("name", ["thor", "skfac", "kfac"])
 def test_all_zero_batch_keeps_the_inverses_it_cannot_inform(name):
   """An all-zero batch on a check step: the first layer's A blocks (inputs all zero, trace
-  0) keep the inverses they had; the step is finite and training recovers."""
+  0) keep the inverses they had, and are counted as rejected; the step is finite and training
+  recovers."""
   tx, step = _runner(name)
   x, y = _data()
   params = Net().init(jax.random.PRNGKey(0), x)["params"]
@@ -197,8 +201,83 @@ def test_all_zero_batch_keeps_the_inverses_it_cannot_inform(name):
   _assert_tree_equal(jax.tree.map(lambda v: v[span], new_kron.blocks[group]["inverse"]),
                      jax.tree.map(lambda v: v[span], kron.blocks[group]["inverse"]),
                      f"{name}: the zero batch replaced Dense_0's A inverse")
+  # Dense_1's inputs are tanh(Dense_0's bias) for every example: one row repeated. Both
+  # layers' A blocks are rejected, their G blocks accepted.
+  for layer in ("Dense_0", "Dense_1"):
+    _, a_span = _a_blocks(name, layer)
+    assert int(new_kron.diagnostics[layer].rejected_blocks) == a_span.stop - a_span.start, (
+        name, layer)
   _, _, losses = _train(step, new_params, new_state, x, y, 8)
   assert losses[-1] < losses[0], (name, losses)
+
+
+def test_resolvable_blocks_lie_between_the_roundoff_of_the_damping_and_one_over_eps():
+  """``damping.resolvable``: ``eps d r < tr <= d / eps`` (bounds of ``cond(B + d I)``), ``eps``
+  of the dtype the blocks are factorized in (float32 for bfloat16)."""
+  eps32, eps64 = float(jnp.finfo(jnp.float32).eps), float(jnp.finfo(jnp.float64).eps)
+  d, r = 1e-3, 4.0
+  with jax.enable_x64(True):
+    for dtype, eps in ((jnp.float32, eps32), (jnp.float64, eps64), (jnp.bfloat16, eps32)):
+      tr = jnp.asarray([0.0, 0.5 * eps * d * r, 2 * eps * d * r, 1.0, 0.5 * d / eps,
+                        2 * d / eps], dtype)
+      got = damping_lib.resolvable(tr, jnp.full_like(tr, d), jnp.full_like(tr, r))
+      np.testing.assert_array_equal(np.asarray(got), [False, False, True, True, True, False],
+                                    err_msg=str(dtype))
+
+
+def _thor_first_check(x, damping):
+  """``scale_by_thor`` (no floor, no clip; 4-blocks) on a fresh state: (state, updates)."""
+  params = Net().init(jax.random.PRNGKey(0), x)["params"]
+  y = jnp.zeros((x.shape[0],), jnp.int32)
+  (_, grads), stats = value_and_grad_with_stats(Net(), softmax_ce)(params, x, y)
+  tx = thor_optax.scale_by_thor(damping, block_size=4)
+  updates, state = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+  return state, updates
+
+
+def test_near_singular_blocks_keep_their_inverses():
+  """Two examples give rank-2 factors; with the floor off and lambda = 1e-16 (d = 1e-8 per
+  factor) the condition bound of Dense_0's A blocks (inputs of size 1) exceeds 1 / eps of
+  float32: they are not refreshed (they keep the identity) and are counted in
+  ``rejected_blocks``; every other block is refreshed or rejected, and the update is finite.
+  Inverting them would have been meaningless: the float32 inverse of block 0 of Dense_0's A
+  is off from the float64 one by more than the float64 one's own size."""
+  x, _ = _data(n=2)
+  state, updates = _thor_first_check(x, 1e-16)
+  _assert_all_finite(updates, "updates")
+  spec = blocks_lib.build_layout(Net().init(jax.random.PRNGKey(0), x)["params"], 4).layer(
+      "Dense_0")
+  span = slice(spec.a.start, spec.a.stop)
+  np.testing.assert_array_equal(
+      np.asarray(state.blocks[spec.a.group]["record"].refreshes[span]), [0, 0, 0])
+  np.testing.assert_array_equal(np.asarray(state.blocks[spec.a.group]["inverse"].inverse[span]),
+                                np.broadcast_to(np.eye(4), (3, 4, 4)))
+  assert int(state.diagnostics["Dense_0"].rejected_blocks) >= 3
+  for layer, d in state.diagnostics.items():
+    assert int(d.blocks_refreshed) + int(d.rejected_blocks) == int(d.num_blocks), layer
+  # The premise: block 0 of Dense_0's A (inputs 0-3 of two examples) is not invertible in
+  # float32 at that damping.
+  rows = np.asarray(x[:, :4], np.float64)
+  block = rows.T @ rows / 2 + 1e-8 * np.eye(4)
+  exact = np.linalg.inv(block)
+  f32 = np.asarray(linalg.cholesky_inverse(jnp.asarray(block[None], jnp.float32))[0])
+  assert not np.all(np.isfinite(f32)) or np.abs(f32 - exact).max() > np.abs(exact).max()
+
+
+def test_a_block_whose_statistics_collapsed_keeps_its_inverse():
+  """Inputs 0-3 scaled by 1e-12 (units that do not fire): block 0 of Dense_0's A has a trace
+  below the roundoff of its damping and keeps the identity; the other A blocks are refreshed."""
+  x, _ = _data()
+  x = x.at[:, :4].multiply(1e-12)
+  state, updates = _thor_first_check(x, LAM)
+  _assert_all_finite(updates, "updates")
+  spec = blocks_lib.build_layout(Net().init(jax.random.PRNGKey(0), x)["params"], 4).layer(
+      "Dense_0")
+  refreshes = np.asarray(state.blocks[spec.a.group]["record"].refreshes[spec.a.start:
+                                                                            spec.a.stop])
+  np.testing.assert_array_equal(refreshes, [0, 1, 1])
+  assert int(state.diagnostics["Dense_0"].rejected_blocks) == 1
+  assert int(state.diagnostics["Dense_1"].rejected_blocks) == 0
 
 
 def _find_kronecker(state):

@@ -68,6 +68,10 @@ class LayerDiagnostics(NamedTuple):
     frozen_blocks: blocks in THOR's frozen regime.
     trace_ratio: largest relative damped-trace change among the layer's blocks at the last
       check (0 for blocks refreshed for the first time).
+    rejected_blocks: the layer's factor blocks whose statistics at the last check were
+      rejected, so that they kept their inverses: vanishing next to their damping (an all-zero
+      batch), one row repeated (``A``), or near-singular once damped (``damping.resolvable``).
+      A check step whose statistics are not finite is skipped whole by the aliases' guard.
   """
 
   blocks_refreshed: jax.Array
@@ -75,6 +79,7 @@ class LayerDiagnostics(NamedTuple):
   total_refreshes: jax.Array
   frozen_blocks: jax.Array
   trace_ratio: jax.Array
+  rejected_blocks: jax.Array
 
 
 class StackInputs(NamedTuple):
@@ -83,7 +88,8 @@ class StackInputs(NamedTuple):
   Attributes:
     trace: ``(n,)`` damped trace of every block (0 where no valid statistics).
     damping: ``(n,)`` damping added to every block (1 where none).
-    valid: ``(n,)`` bool, blocks with finite statistics at this check, not all zero.
+    valid: ``(n,)`` bool, blocks with finite statistics at this check, resolvable next to their
+      damping (``damping.resolvable``).
     rows: ``{slot: FactorRows}`` of the factors in the stack that have statistics.
     slots: every factor slot of the stack, in block order.
   """
@@ -126,7 +132,7 @@ def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam
                                      side_inputs, lam, cfg)
   diagnostics = {**state.diagnostics, **{
       spec.name: layer_diagnostics(spec, state.diagnostics[spec.name], new_blocks, refreshed,
-                                   ratio, cfg.policy)
+                                   ratio, {g: i.valid for g, i in inputs.items()}, cfg.policy)
       for spec in layout.layers if spec.name in factors}}
   return state._replace(
       blocks=new_blocks, layers={**state.layers, **side}, diagnostics=diagnostics,
@@ -274,7 +280,12 @@ def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactor
   Each block's damping is at least ``min_relative_damping`` times its mean eigenvalue over the
   dimensions its rows can span (``damping.floored``): a block of ``d`` dimensions formed from
   ``R`` rows (``num_replicas`` times a replica's) has at most ``min(R, d)`` nonzero
-  eigenvalues, so its trace is shared among those."""
+  eigenvalues, so its trace is shared among those.
+
+  A block is valid if its statistics are finite (all of its layer's) and resolvable next to its
+  damping (``damping.resolvable``: not vanishing, not near-singular); an ``A`` whose rows are
+  one row repeated has zero traces here (:func:`layer_factors`). Invalid blocks keep their
+  inverses."""
   trace = {g: jnp.zeros((n,), dtype) for g, (_, n) in layout.groups.items()}
   damping = {g: jnp.ones((n,), dtype) for g, (_, n) in layout.groups.items()}
   valid = {g: jnp.zeros((n,), bool) for g, (_, n) in layout.groups.items()}
@@ -290,9 +301,10 @@ def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactor
       real = jnp.asarray(_real_counts(slot), dtype)
       spanned = jnp.minimum(real, num_replicas * r.rows.shape[-2])
       d = damping_lib.floored(d, tr, spanned, min_relative_damping)
-      # A block whose statistics are all zero (an all-zero batch, units that did not fire)
-      # says nothing of its curvature: it keeps the inverse it has, like a non-finite one.
-      finite = finite & (tr > 0)
+      # A block whose statistics vanish next to its damping (an all-zero batch, units that
+      # did not fire) says nothing of its curvature, and one that is near-singular once damped
+      # cannot be inverted: either keeps the inverse it has, like a non-finite one.
+      finite = finite & damping_lib.resolvable(tr, d, real)
       damped = jnp.where(finite, tr + d * real, 0.0)
       g, span = slot.group, slice(slot.start, slot.stop)
       trace[g] = trace[g].at[span].set(damped)
@@ -388,8 +400,9 @@ def refresh_from_rows(method: Any, slot: blocks.FactorSlot, rows: Any, inverse: 
 
 
 def layer_diagnostics(spec: layer_base.LayerSpec, old: LayerDiagnostics, stacks: dict,
-                      refreshed: dict, ratio: dict, policy: Any) -> LayerDiagnostics:
-  """A layer's diagnostics after a check step, summed over its factor blocks."""
+                      refreshed: dict, ratio: dict, valid: dict, policy: Any) -> LayerDiagnostics:
+  """A layer's diagnostics after a check step, summed over its factor blocks (``valid``: per
+  block stack, the blocks whose statistics were accepted)."""
   def total(values):
     return sum(jnp.sum(values(s)[s.start:s.stop], dtype=jnp.int32) for s in spec.slots)
 
@@ -400,7 +413,8 @@ def layer_diagnostics(spec: layer_base.LayerSpec, old: LayerDiagnostics, stacks:
       frozen_blocks=total(lambda s: policy.frozen(stacks[s.group].get("policy"),
                                                   refreshed[s.group].shape[0])),
       trace_ratio=jnp.max(jnp.stack([jnp.max(ratio[s.group][s.start:s.stop])
-                                     for s in spec.slots])))
+                                     for s in spec.slots])),
+      rejected_blocks=total(lambda s: ~valid[s.group]))
 
 
 def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,

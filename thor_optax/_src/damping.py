@@ -67,6 +67,36 @@ def floored(damping: jax.Array, traces: jax.Array, dims: jax.Array,
   return jnp.maximum(damping, min_relative_damping * jnp.where(jnp.isfinite(share), share, 0.0))
 
 
+def resolvable(traces: jax.Array, damping: jax.Array, dims: jax.Array) -> jax.Array:
+  """Per block: whether the damped block ``B + d I`` is worth inverting in the working
+  precision: ``eps`` of the dtype the blocks are factorized in, 1.2e-7 in float32 (also for
+  narrower dtypes, which are factorized in float32, ``linalg.lapack_safe``), 2.2e-16 in
+  float64.
+
+  * Its statistics must not vanish next to the damping, ``tr(B) > eps d r`` (``r`` true
+    dimensions): else ``B + d I`` is ``d I`` to working precision and says nothing of the
+    curvature (an all-zero batch, units that did not fire, statistics whose trace collapsed
+    to roundoff).
+  * It must not be near-singular, ``tr(B) eps <= d``: its eigenvalues lie in ``[d, tr(B) + d]``,
+    so its condition number is at most ``1 + tr(B) / d``; above ``1 / eps`` the computed
+    inverse may have no correct digit. With the floor (``rho > 0``) the bound is at most
+    ``1 + min(R, d) / rho`` (1281 for 128-blocks and ``rho = 0.1``), so this rejects blocks only
+    when the floor is off (``scale_by_thor``'s default) and ``lambda`` is tiny (``1e-12``).
+
+  A block that fails keeps the inverse it has, like one whose inverse is not finite.
+
+  Args:
+    traces: ``(n,)`` undamped block traces.
+    damping: ``(n,)`` damping of each block (after the floor).
+    dims: ``(n,)`` true (unpadded) dimensions of each block.
+
+  Returns:
+    ``(n,)`` bool.
+  """
+  eps = jnp.finfo(jnp.promote_types(jnp.result_type(traces), jnp.float32)).eps
+  return (traces > eps * damping * dims) & (traces * eps <= damping)
+
+
 def floored_eigenvalues(eigenvalues: jax.Array, min_relative_damping: Any) -> jax.Array:
   """A factor's eigenvalues, each at least ``rho`` times their mean: the floor for eigh, whose
   damping ``lambda`` acts on the products ``eig_A eig_G`` (KAISA's exact damping). Flooring each

@@ -226,7 +226,7 @@ def init_state(layout: blocks.BlockLayout, dtype: jnp.dtype, cfg: Curvature) -> 
           blocks_refreshed=jnp.zeros((), jnp.int32),
           num_blocks=jnp.asarray(sum(s.num_blocks for s in spec.slots), jnp.int32),
           total_refreshes=jnp.zeros((), jnp.int32), frozen_blocks=jnp.zeros((), jnp.int32),
-          trace_ratio=jnp.zeros((), dtype))
+          trace_ratio=jnp.zeros((), dtype), rejected_blocks=jnp.zeros((), jnp.int32))
       for spec in layout.layers if spec.g is not None}
   return KroneckerState(count=jnp.zeros((), jnp.int32), blocks=stacks,
                         layers={k: v for k, v in side.items() if v is not None},
