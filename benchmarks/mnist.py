@@ -459,7 +459,8 @@ class History:
 
 
 def train(model: nn.Module, variables: Any, cfg: Config, train_set: Split, eval_set: Split,
-          batches: list, eval_every: int, desc: str = "") -> History:
+          batches: list, eval_every: int, desc: str = "",
+          optimizer: Optional[tuple] = None) -> History:
   """Trains ``model`` from ``params`` with ``cfg``'s optimizer; times steps, evaluates on the side.
 
   Each step is timed from the call to ``jax.block_until_ready`` of its result, so the time
@@ -477,11 +478,13 @@ def train(model: nn.Module, variables: Any, cfg: Config, train_set: Split, eval_
     batches: list of index arrays, one per step (:func:`batch_order`).
     eval_every: steps between evaluations.
     desc: label of the progress bar.
+    optimizer: ``(tx, check schedule or None)`` to train with instead of
+      ``make_optimizer(cfg)`` (``benchmarks/ablation.py``: aliases with other settings).
 
   Returns:
     the run's :class:`History`.
   """
-  tx, schedule = make_optimizer(cfg)
+  tx, schedule = make_optimizer(cfg) if optimizer is None else optimizer
   check_step, plain_step = make_steps(model, tx, sample_space=schedule is not None)
   accuracy = make_accuracy(model)
   num_steps = len(batches)
