@@ -142,16 +142,10 @@ def print_table(task: str, records: list, rows: list, steps: int) -> None:
         f"{np.mean([r['best_test_acc'] for r in mine]):.4f}",
         f"{np.mean([r['final_test_acc'] for r in mine]):.4f}",
         f"{np.mean([r['train_seconds'] for r in mine]):.1f}"])
-  widths = [max(len(str(c)) for c in col) for col in zip(header, *lines)]
-  fmt = lambda cells: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)  # noqa: E731
-                                for i, (c, w) in enumerate(zip(cells, widths)))
   seeds = sorted({r["seed"] for r in records})
   print(f"\n== {task}: {steps} steps of batch 128, seeds {seeds} (steps per seed, "
         f"evaluated every {records[0].get('eval_every', '?')} steps) ==")
-  print(fmt(header))
-  print(fmt(["-" * w for w in widths]))
-  for line in lines:
-    print(fmt(line))
+  print("\n".join(mnist.table_lines(header, lines, left=1)))
   for row in rows:
     print(f"  {row.name}: {row.what}")
 

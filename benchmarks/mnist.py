@@ -595,6 +595,18 @@ def _fmt(value, spec: str) -> str:
   return "-" if value is None else format(value, spec)
 
 
+def table_lines(header: list, rows: list, left: int = 0) -> list:
+  """A fixed-width table: the header, a rule and the rows; the first ``left`` columns
+  left-aligned, the others right-aligned."""
+  widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+
+  def line(cells):
+    return "  ".join(str(c).ljust(w) if i < left else str(c).rjust(w)
+                     for i, (c, w) in enumerate(zip(cells, widths)))
+
+  return [line(header), line(["-" * w for w in widths])] + [line(row) for row in rows]
+
+
 def print_table(records: list) -> None:
   """Prints one task's results as a fixed-width table."""
   first = records[0]
@@ -618,18 +630,10 @@ def print_table(records: list) -> None:
         + [_fmt(r["seconds_to"][str(t)], ".2f") for t in targets]
         + [f"{r['final_test_acc']:.4f}", f"{r['final_train_loss']:.4f}",
            _fmt(r["refreshed_fraction"], ".3f")])
-  widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-
-  def line(cells):
-    return "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))
-
   load = max(r["load_average"] for r in records)
   print(f"\n== {first['task']}: {first['num_steps']} steps of batch {first['batch_size']}, "
         f"test accuracy every {first['eval_every']} steps (max load average {load:.2f}) ==")
-  print(line(header))
-  print(line(["-" * w for w in widths]))
-  for row in rows:
-    print(line(row))
+  print("\n".join(table_lines(header, rows)))
   print("mean ms: training time / steps (the amortized step); x sgd / adam / muon: its ratio to "
         "theirs; check / plain ms: medians of each kind;\ncurv %: time of the checks beyond "
         "plain steps, share of training time; comp s: the first call of each step "
