@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import thor_optax
+import reference
 from reference import inverse_blocks, stack_field
 from thor_optax._src import blocks
 from thor_optax._src.refresh import trace_rule as trace
@@ -122,6 +123,42 @@ def test_known_trace_jump_refreshes_exactly_the_blocks_that_jumped():
   expected = np.zeros(len(inv0), bool)
   expected[spec.a.start + 1] = expected[spec.g.start] = True
   np.testing.assert_array_equal(changed, expected)
+
+
+def test_running_average_blends_the_blocks_the_rule_refreshes():
+  """``ema_decay`` (the ``thor`` alias's default 0.95): a refreshed block inverts ``0.95 old +
+  0.05 new``; a block the trace rule skips keeps its factor and inverse."""
+  decay, lam = 0.95, 0.1
+  tx = thor_optax.scale_by_thor(lam, block_size=B, trace_thresholds=(0.01, 0.0),
+                                ema_decay=decay)
+  a, g = _data(0)
+  a2 = a.at[:, 4:8].multiply(3.0)   # only A's block 1 jumps
+  states = _run_checks(tx, [_stats(a, g), _stats(a2, 0.5 * g)])
+  spec = blocks.build_layout(_params(), B).layers[0]
+  A1, A2 = np.asarray(a.T @ a / N, np.float64), np.asarray(a2.T @ a2 / N, np.float64)
+  inverses = inverse_blocks(states[1])[spec.a.group][spec.a.start:spec.a.stop]
+  damped = lambda F: np.linalg.inv(F + np.sqrt(lam) * np.eye(B))
+  blend = decay * A1[4:8, 4:8] + (1 - decay) * A2[4:8, 4:8]
+  np.testing.assert_allclose(inverses[1], damped(blend), rtol=2e-4, atol=1e-6)
+  for i in (0, 2):  # not refreshed: the first check's factor
+    np.testing.assert_allclose(inverses[i], damped(A1[4 * i:4 * i + 4, 4 * i:4 * i + 4]),
+                               rtol=2e-4, atol=1e-6)
+  # The whole G halves its scale, so every G block is refreshed and blended.
+  G = np.asarray(g.T @ g / N, np.float64)
+  G_blocks = inverse_blocks(states[1])[spec.g.group][spec.g.start:spec.g.stop]
+  np.testing.assert_allclose(G_blocks[0], damped((decay + (1 - decay) * 0.25) * G[:4, :4]),
+                             rtol=2e-4, atol=1e-6)
+  # Without the average the refreshed block is the new batch's alone: the test can tell.
+  assert np.abs(inverses[1] - damped(A2[4:8, 4:8])).max() > 1e-2
+
+
+def test_thor_alias_averages_the_blocks_by_default():
+  """The alias keeps each stack's averaged factor blocks; ``ema_decay=None`` (the paper) none."""
+  state = reference.kronecker_state(thor_optax.thor(0.1).init(_params()))
+  assert state.blocks and all(stack["accumulator"].factor.shape == stack["inverse"].inverse.shape
+                              for stack in state.blocks.values())
+  paper = reference.kronecker_state(thor_optax.thor(0.1, ema_decay=None).init(_params()))
+  assert not any("accumulator" in stack for stack in paper.blocks.values())
 
 
 def test_masked_block_update_only_selected_blocks_and_budget():

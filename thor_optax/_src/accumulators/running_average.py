@@ -62,7 +62,8 @@ class RunningAverage(base.FactorAccumulator):
   def __init__(self, decay: float, inverse_period: Period):
     static = ("It decides the state's layout and the inversion steps in Python, so it cannot "
               "be a traced value: with optax.inject_hyperparams pass static_args=('ema_decay', "
-              "'inverse_period').")
+              "'inverse_period') for kfac, kaisa and scale_by_kfac, or static_args=("
+              "'block_size', 'ema_decay') for thor and scale_by_thor.")
     if not isinstance(decay, (int, float)) or isinstance(decay, bool):
       raise ValueError(f"ema_decay must be a Python float in [0, 1) or None, got {decay!r}. "
                        + static)
