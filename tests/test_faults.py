@@ -320,6 +320,26 @@ def test_state_of_other_layer_names_is_named():
       tx.update(grads, tx.init(renamed), params, **extra)
 
 
+@pytest.mark.parametrize("make", [thor_optax.scale_by_thor, lambda: thor_optax.thor(LR)],
+                         ids=["scale_by_thor", "thor"])
+def test_state_of_a_model_with_other_factor_sizes_is_named(make):
+  """A state for 12 outputs meets gradients of 10: the same layer names, and for
+  ``scale_by_thor`` the same block stacks (both ``G`` fit one 128-block), so only the factor
+  dimensions the state keeps in its structure tell them apart."""
+  params, grads, stats = _setup(out=10)
+  other, _, _ = _setup(out=12)
+  tx = make()
+  state = tx.init(other)
+  if isinstance(state, thor_optax.KroneckerState):  # the premise: no array shape differs
+    shapes = lambda s: [x.shape for x in jax.tree.leaves(s)]
+    assert shapes(state) == shapes(tx.init(params))
+  for extra in (dict(curvature_stats=stats), {}):
+    with pytest.raises(ValueError, match=r"layer 'Dense_1' has Kronecker factors A 9 x 9, G 10 x "
+                       r"10 in the gradients, but the state was initialised for A 9 x 9, G 12 x "
+                       r"12"):
+      jax.jit(functools.partial(tx.update, **extra))(grads, state, params)
+
+
 def test_integer_statistics_are_rejected():
   params, grads, stats = _setup()
   as_int = jax.tree.map(lambda a: a.astype(jnp.int32), stats)

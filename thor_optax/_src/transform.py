@@ -62,6 +62,7 @@ from typing import Any, NamedTuple, Optional, Union
 import jax
 import jax.numpy as jnp
 import optax
+from flax import serialization as flax_serialization
 
 from thor_optax._src import blocks
 from thor_optax._src import check_step as check_lib
@@ -85,6 +86,58 @@ LayerDiagnostics = check_lib.LayerDiagnostics
 BlockRecord = check_lib.BlockRecord
 
 
+@jax.tree_util.register_pytree_with_keys_class
+class FactorDims:
+  """The factor dimensions the state was initialised for: part of the pytree's structure, no
+  array leaves (so checkpoints and shardings are unchanged, and a state restored into
+  ``tx.init(params)``'s structure keeps them).
+
+  Block stacks of two models can have the same shapes when the factors differ in size (``G``
+  of 12 and of 10 outputs both fill one 128-block); ``update`` compares these dimensions with
+  the gradients' and names the layer that differs.
+
+  Attributes:
+    dims: ``((layer path, (d_A, d_G, copies)), ...)`` sorted by path, for every
+      Kronecker-factored layer (``d_A = 0`` where ``A`` is kept elsewhere, an embedding's
+      diagonal; ``copies``: layers of an ``nn.scan`` stack).
+  """
+
+  def __init__(self, dims: tuple[tuple[str, tuple[int, int, int]], ...]):
+    self.dims = tuple(dims)
+
+  @classmethod
+  def of(cls, layout: blocks.BlockLayout) -> "FactorDims":
+    return cls(tuple((spec.name, (0 if spec.a is None else spec.a.dim, spec.g.dim,
+                                  spec.g.copies))
+                     for spec in layout.layers if spec.g is not None))
+
+  def tree_flatten_with_keys(self):
+    return (), self.dims
+
+  def tree_flatten(self):
+    return (), self.dims
+
+  @classmethod
+  def tree_unflatten(cls, dims, children):
+    del children
+    return cls(dims)
+
+  def __eq__(self, other):
+    return isinstance(other, FactorDims) and self.dims == other.dims
+
+  def __hash__(self):
+    return hash(self.dims)
+
+  def __repr__(self):
+    return f"FactorDims({dict(self.dims)})"
+
+
+# flax.serialization (msgpack checkpoints, flax's TrainState) stores nothing for it and keeps the
+# target's.
+flax_serialization.register_serialization_state(
+    FactorDims, lambda dims: {}, lambda target, state: target)
+
+
 class KroneckerState(NamedTuple):
   """State of :func:`scale_by_thor` / :func:`scale_by_kfac`: only what the chosen pieces need.
 
@@ -104,6 +157,8 @@ class KroneckerState(NamedTuple):
     accumulator: the factor accumulator's global state (``InversePeriodState(next_inverse)``
       for running averages, ``optax.EmptyState()`` for the current batch).
     diagnostics: ``{layer path: LayerDiagnostics}`` for every Kronecker-factored layer.
+    factor_dims: :class:`FactorDims`, static (no leaves): the factor dimensions of every
+      Kronecker-factored layer, checked against the gradients' at every ``update``.
   """
 
   count: jax.Array
@@ -111,6 +166,7 @@ class KroneckerState(NamedTuple):
   layers: dict[str, Any]
   accumulator: Any
   diagnostics: dict[str, LayerDiagnostics]
+  factor_dims: Any = FactorDims(())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -230,7 +286,8 @@ def init_state(layout: blocks.BlockLayout, dtype: jnp.dtype, cfg: Curvature) -> 
       for spec in layout.layers if spec.g is not None}
   return KroneckerState(count=jnp.zeros((), jnp.int32), blocks=stacks,
                         layers={k: v for k, v in side.items() if v is not None},
-                        accumulator=cfg.accumulator.init_global(), diagnostics=diagnostics)
+                        accumulator=cfg.accumulator.init_global(), diagnostics=diagnostics,
+                        factor_dims=FactorDims.of(layout))
 
 
 def _stacked(tree: Any, copies: int, stack: tuple[int, ...]) -> Any:
@@ -256,6 +313,18 @@ def _check_state_matches(layout: blocks.BlockLayout, state: KroneckerState,
         f"(only in the state: {extra}; only in the gradients: {lacking}). Initialise the "
         "state with tx.init(params) of the model whose gradients you pass (a renamed module "
         "or another model gives other layer paths).")
+  want_dims = FactorDims.of(layout)
+  if isinstance(state.factor_dims, FactorDims) and state.factor_dims != want_dims:
+    have, need = dict(state.factor_dims.dims), dict(want_dims.dims)
+    name = next(k for k in sorted(need) if have.get(k) != need[k])
+    describe = lambda d: f"A {d[0]} x {d[0]}, G {d[1]} x {d[1]}" + (
+        f" for each of {d[2]} stacked layers" if d[2] > 1 else "")
+    raise ValueError(
+        f"optimizer state does not match the gradient tree: layer {name!r} has Kronecker "
+        f"factors {describe(need[name])} in the gradients, but the state was initialised for "
+        f"{describe(have[name])} (another model with the same layer names: a different "
+        "number of inputs or outputs). Initialise the state with tx.init(params) of the model "
+        "whose gradients you pass.")
   want = shapes(jax.eval_shape(lambda: init_state(layout, jnp.float32, cfg)))
   have = shapes(state)
   if want != have:
