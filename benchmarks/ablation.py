@@ -29,6 +29,7 @@ Run (2 tasks x 14 rows x 3 seeds; about 40 minutes on a 2-core CPU shared with o
 
   python3 benchmarks/ablation.py
   python3 benchmarks/ablation.py --tasks cnn --rows kfac thor --seeds 0 1 2 3 4
+  python3 benchmarks/ablation.py --rows thor-pi --learning-rate 0.0646 --damping 0.1
 """
 
 from __future__ import annotations
@@ -81,12 +82,12 @@ ROWS = (
         "step"),
     Row("+growing", _thor(ema_decay=None), GROWING, "and the growing interval (5, 50, 200): "
         "THOR as in its paper (thor_optax.thor(..., ema_decay=None))"),
-    Row("thor", _thor(), GROWING, "and a running average (0.95) of each block across its "
-        "refreshes: thor_optax.thor's defaults, as in mnist.py"),
+    Row("thor", _thor(), GROWING, "and a running average (0.95) across refreshes of each block "
+        "formed from fewer than 4 rows per dimension: thor_optax.thor's defaults, as in mnist.py"),
     # Leave one out: thor with one choice set back to K-FAC's.
     Row("thor-whole", _thor(block_size=None), GROWING, "thor with whole factors"),
-    Row("thor-every", _kfac(block_size=128), GROWING,
-        "thor refreshing every block at every check (no trace rule)"),
+    Row("thor-every", _thor(trace_thresholds=(0.0, 0.0)), GROWING,
+        "thor refreshing every block at every check (trace_thresholds=(0, 0))"),
     Row("kfac-growing", _kfac(), GROWING, "kfac at THOR's growing interval"),
     Row("kfac-pi", _kfac(pi_damping=True), 1, "kfac with K-FAC's pi rule for the damping split"),
     Row("thor-pi", _thor(pi_damping=True), GROWING, "thor with K-FAC's pi rule for the damping "
@@ -100,8 +101,12 @@ ROW_NAMES = tuple(row.name for row in ROWS)
 
 
 def run_row(row: Row, task: str, seed: int, train_set: mnist.Split, test_set: mnist.Split,
-            steps: int, batch_size: int, eval_every: int) -> dict:
-  """One row on one task and seed: steps to each target, best and final test accuracy."""
+            steps: int, batch_size: int, eval_every: int, learning_rate: Optional[float] = None,
+            damping: Optional[float] = None) -> dict:
+  """One row on one task and seed: steps to each target, best and final test accuracy.
+
+  ``learning_rate`` / ``damping`` replace the task's tuned THOR values for a second-order row
+  (``None``: ``mnist.DEFAULT_LEARNING_RATE`` / ``DEFAULT_DAMPING``)."""
   model = mnist.MODELS[task]()
   variables = mnist.init_variables(model, train_set.x[:1], seed)
   batches = mnist.batch_order(len(train_set.y), batch_size, steps, seed)
@@ -111,7 +116,8 @@ def run_row(row: Row, task: str, seed: int, train_set: mnist.Split, test_set: mn
                        adam_learning_rate=rates["adam"] if row.name == "muon" else None)
     optimizer = None
   else:
-    lr, damping = rates["thor"], mnist.DEFAULT_DAMPING[task]["thor"]
+    lr = rates["thor"] if learning_rate is None else learning_rate
+    damping = mnist.DEFAULT_DAMPING[task]["thor"] if damping is None else damping
     cfg = mnist.Config("thor", lr, damping, checks=row.checks, batch_size=batch_size)
     optimizer = (row.make(lr, damping), options.check_schedule(row.checks))
   start = time.perf_counter()
@@ -161,6 +167,10 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=None,
                  help="training steps (default: mnist.py's per task: mlp 200, cnn 300)")
   p.add_argument("--eval-every", type=int, default=10, help="(default: %(default)s)")
+  p.add_argument("--learning-rate", type=float, default=None,
+                 help="the second-order rows' learning rate (default: the task's tuned THOR rate)")
+  p.add_argument("--damping", type=float, default=None,
+                 help="the second-order rows' damping (default: the task's tuned THOR damping)")
   p.add_argument("--out", default=None, help="write the records as JSON")
   args = p.parse_args(argv)
 
@@ -172,7 +182,8 @@ def main(argv=None) -> None:
     records = []
     for row in rows:
       for seed in args.seeds:
-        record = run_row(row, task, seed, train_set, test_set, steps, 128, args.eval_every)
+        record = run_row(row, task, seed, train_set, test_set, steps, 128, args.eval_every,
+                         args.learning_rate, args.damping)
         record["eval_every"] = args.eval_every
         records.append(record)
     print_table(task, records, rows, steps)

@@ -44,7 +44,8 @@ ALIASES = {
     "kaisa": (thor_optax.kaisa, dict(inverse_period=2)),
     "spngd": (thor_optax.spngd, {}),
 }
-STATIC = ("block_size", "ema_decay", "inverse_period", "adaptive_refresh", "max_refresh_interval")
+STATIC = ("block_size", "ema_decay", "ema_rows_ratio", "inverse_period", "adaptive_refresh",
+          "max_refresh_interval")
 
 
 class Net(nn.Module):

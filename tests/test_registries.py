@@ -574,7 +574,7 @@ ALIASES = {
     "kaisa": (thor_optax.kaisa, dict(inverse_period=2, max_kl=MAX_KL)),
     "spngd": (thor_optax.spngd, {}),
 }
-STATIC = ("block_size", "ema_decay", "inverse_period", "adaptive_refresh",
+STATIC = ("block_size", "ema_decay", "ema_rows_ratio", "inverse_period", "adaptive_refresh",
           "max_refresh_interval")
 NAMES = list(ALIASES)
 MICRO = 2  # examples per micro-batch; the joined batch has 2 MICRO

@@ -152,6 +152,31 @@ def test_running_average_blends_the_blocks_the_rule_refreshes():
   assert np.abs(inverses[1] - damped(A2[4:8, 4:8])).max() > 1e-2
 
 
+@pytest.mark.parametrize("ratio, averaged", [(None, True), (9.0, True), (8.0, False)])
+def test_running_average_skips_blocks_with_enough_rows(ratio, averaged):
+  """``ema_rows_ratio=k``: a block of ``b = 4`` dimensions formed from ``N = 32`` rows is
+  averaged when ``32 < 4 k`` and takes the new batch's factor otherwise (``k = 8``: exactly
+  ``k`` rows per dimension)."""
+  lam = 0.1
+  tx = thor_optax.scale_by_thor(lam, block_size=B, trace_thresholds=(0.0, 0.0),
+                                ema_decay=0.5, ema_rows_ratio=ratio)
+  a, g = _data(0)
+  a2 = 2.0 * _data(1)[0]
+  states = _run_checks(tx, [_stats(a, g), _stats(a2, g)])
+  spec = blocks.build_layout(_params(), B).layers[0]
+  A1, A2 = (np.asarray(x.T @ x / N, np.float64)[:4, :4] for x in (a, a2))
+  want = 0.5 * A1 + 0.5 * A2 if averaged else A2
+  got = inverse_blocks(states[1])[spec.a.group][spec.a.start]
+  np.testing.assert_allclose(got, np.linalg.inv(want + np.sqrt(lam) * np.eye(B)), rtol=2e-4,
+                             atol=1e-6)
+
+
+def test_ema_rows_ratio_must_be_a_positive_number():
+  for bad in (0.0, -1.0, float("inf"), jnp.asarray(4.0)):
+    with pytest.raises(ValueError, match="ema_rows_ratio must be None or a positive"):
+      thor_optax.scale_by_thor(ema_decay=0.9, ema_rows_ratio=bad)
+
+
 def test_thor_alias_averages_the_blocks_by_default():
   """The alias keeps each stack's averaged factor blocks; ``ema_decay=None`` (the paper) none."""
   state = reference.kronecker_state(thor_optax.thor(0.1).init(_params()))

@@ -74,7 +74,8 @@ def test_inject_hyperparams_changes_lr_and_damping_without_recompiling(setup):
   params, grads, stats = setup
   with pytest.raises(ValueError, match="static_args"):
     optax.inject_hyperparams(thor_optax.thor)(learning_rate=0.1).init(params)
-  tx = optax.inject_hyperparams(thor_optax.thor, static_args=("block_size", "ema_decay"))(
+  tx = optax.inject_hyperparams(thor_optax.thor,
+                                static_args=("block_size", "ema_decay", "ema_rows_ratio"))(
       learning_rate=0.1, damping=0.05, max_kl=None, min_relative_damping=0.0, ema_decay=None)
   state = tx.init(params)
   traces = []

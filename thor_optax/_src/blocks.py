@@ -158,7 +158,8 @@ def _check_block_size(block_size: Any) -> Optional[int]:
     raise ValueError(
         f"block_size must be a positive Python int or None, got {block_size!r}. It fixes array "
         "shapes, so it cannot be a traced value: with optax.inject_hyperparams pass "
-        "static_args=('block_size',), or static_args=('block_size', 'ema_decay') for thor.")
+        "static_args=('block_size',), or static_args=('block_size', 'ema_decay', "
+        "'ema_rows_ratio') for thor.")
   return None if block_size is None else int(block_size)
 
 

@@ -342,7 +342,12 @@ def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.B
     accumulated = stack.get("accumulator")
     update, policy_state = cfg.policy.confirm(
         selected, cov, getattr(accumulated, "factor", None), never, choice.state, count)
-    acc = cfg.accumulator.accumulate(cov, update, never, accumulated, invert_now)
+    replaced = np.zeros((n,), bool)  # static: blocks whose rows make them well conditioned
+    for slot, r in inputs.rows.items():
+      replaced[slot.start:slot.stop] = cfg.accumulator.replaces(
+          num_replicas * r.rows.shape[-2], min(slot.dim, b))
+    acc = cfg.accumulator.accumulate(cov, update, never | jnp.asarray(replaced), accumulated,
+                                     invert_now)
     real = jnp.asarray(layout.real_dims(group), record.trace_ref.dtype)
     inverse, refreshed = blocks.masked_block_update(
         acc.invert, inverse, lambda idx: method.refresh_covariance(

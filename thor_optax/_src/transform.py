@@ -114,19 +114,10 @@ class FactorDims:
   def tree_flatten_with_keys(self):
     return (), self.dims
 
-  def tree_flatten(self):
-    return (), self.dims
-
   @classmethod
   def tree_unflatten(cls, dims, children):
     del children
     return cls(dims)
-
-  def __eq__(self, other):
-    return isinstance(other, FactorDims) and self.dims == other.dims
-
-  def __hash__(self):
-    return hash(self.dims)
 
   def __repr__(self):
     return f"FactorDims({dict(self.dims)})"
@@ -314,7 +305,7 @@ def _check_state_matches(layout: blocks.BlockLayout, state: KroneckerState,
         "state with tx.init(params) of the model whose gradients you pass (a renamed module "
         "or another model gives other layer paths).")
   want_dims = FactorDims.of(layout)
-  if isinstance(state.factor_dims, FactorDims) and state.factor_dims != want_dims:
+  if isinstance(state.factor_dims, FactorDims) and state.factor_dims.dims != want_dims.dims:
     have, need = dict(state.factor_dims.dims), dict(want_dims.dims)
     name = next(k for k in sorted(need) if have.get(k) != need[k])
     describe = lambda d: f"A {d[0]} x {d[0]}, G {d[1]} x {d[1]}" + (
@@ -412,13 +403,14 @@ def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtr
 
 
 def _accumulator(ema_decay: Optional[float], inverse_period: Period,
-                 adaptive_refresh: Optional[float]) -> Any:
+                 adaptive_refresh: Optional[float], rows_ratio: Optional[float] = None) -> Any:
   """Current-batch factors, unless factors must outlive a check step."""
   every_step = isinstance(inverse_period, int) and not isinstance(inverse_period, bool) \
       and inverse_period == 1
   if ema_decay is None and adaptive_refresh is None and every_step:
     return current_batch.CurrentBatch()
-  return running_average.RunningAverage(0.0 if ema_decay is None else ema_decay, inverse_period)
+  return running_average.RunningAverage(0.0 if ema_decay is None else ema_decay, inverse_period,
+                                        rows_ratio)
 
 
 def scale_by_thor(
@@ -427,6 +419,7 @@ def scale_by_thor(
     block_size: Optional[int] = 128,
     trace_thresholds: tuple[float, float] = (0.01, 0.0),
     ema_decay: Optional[float] = None,
+    ema_rows_ratio: Optional[float] = None,
     pi_damping: bool = False,
     min_relative_damping: float = 0.0,
     refresh_buckets: int = 4,
@@ -472,8 +465,18 @@ def scale_by_thor(
     ema_decay: if set, a block's factor is the running average ``decay * old + (1 - decay) *
       new`` over its refreshes (stored in the state; doubles its memory); a block the trace
       rule skips keeps its factor. THOR's paper uses ``None`` (the default here): the current
-      batch only. The :func:`thor` alias uses 0.95, which saved steps on every target of the
-      MNIST ablation (README, "Which of THOR's approximations costs steps").
+      batch only. The :func:`thor` alias uses 0.95 with ``ema_rows_ratio=4``.
+    ema_rows_ratio: with ``ema_decay``, average only the blocks formed from fewer than this
+      many rows per dimension (``rows < ratio * min(d, b)``, rows: examples x positions, of
+      all replicas; static), and let the others take the current batch's factor; ``None``:
+      average every block. A block from ``R >= 4 d`` rows is well conditioned on its own
+      (Marchenko-Pastur, isotropic rows: eigenvalues above about a quarter of their mean), one
+      from fewer is near-singular. Side curvature (an embedding's diagonal ``A``, a
+      normalization layer's 2x2 Fisher) is averaged at every refresh. A value that is not
+      ``None`` or a positive Python number raises ``ValueError``. Evidence (README, "Which of THOR's approximations costs steps"): on the
+      MNIST models, where the dense layers' blocks see 128 rows, averaging saved steps on every
+      target; on the language model, whose blocks see 1,024 rows, averaging every block cost
+      steps and final loss, averaging none did not.
     pi_damping: split the damping with the pi rule (Martens & Grosse 2015, section 6.3).
     min_relative_damping: floor ``rho >= 0`` on each block's damping, relative to its mean
       eigenvalue: a factor block ``B`` of dimension ``d`` formed from ``R`` rows gets at least
@@ -577,7 +580,7 @@ def scale_by_thor(
       damping_schedule=damping, block_size=block_size,
       method=inverses.make(inverse_method, woodbury_rows),
       policy=trace_rule.TraceRule(*trace_thresholds),
-      accumulator=_accumulator(ema_decay, inverse_period, None),
+      accumulator=_accumulator(ema_decay, inverse_period, None, ema_rows_ratio),
       damping=damping_lib.FactoredDamping(pi_damping, min_relative_damping),
       sampling=conv.ConvSampling(conv_statistics, spatial_samples),
       subsample_key=subsample_key, num_buckets=refresh_buckets, dtype=dtype,

@@ -55,6 +55,12 @@ class FactorAccumulator(abc.ABC):
     """State shared by every stack (``optax.EmptyState()``: none)."""
     return optax.EmptyState()
 
+  def replaces(self, rows: int, block: int) -> bool:
+    """Whether a block of dimension ``block`` formed from ``rows`` rows replaces its stored
+    factor instead of being averaged into it (static; stateless accumulators: always)."""
+    del rows, block
+    return True
+
   def inverts_now(self, state: Any, count: jax.Array) -> jax.Array:
     """Whether this check step inverts at all (scalar bool)."""
     del state, count

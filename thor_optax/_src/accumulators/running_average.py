@@ -14,7 +14,8 @@ References:
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Union
+from math import inf
+from typing import Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -54,16 +55,24 @@ def period_steps(period: Period, count: jax.Array) -> jax.Array:
 
 class RunningAverage(base.FactorAccumulator):
   """Running averages with EMA decay ``decay`` (0: newest only), inverted every
-  ``inverse_period`` steps (an int ``>= 1`` or a schedule of the step)."""
+  ``inverse_period`` steps (an int ``>= 1`` or a schedule of the step).
+
+  ``rows_ratio``: ``None`` averages every block; a number ``k > 0`` averages only the blocks
+  formed from fewer than ``k`` rows per dimension (``rows < k * min(d, b)``), the others
+  replace their stored factor. A sample covariance of ``R`` rows in ``d`` dimensions has rank
+  at most ``R``, and for ``R >= k d`` its eigenvalues stay above about ``(1 - 1/sqrt(k))^2``
+  times their mean (Marchenko-Pastur, isotropic rows: 1/4 for ``k = 4``), so such a block is
+  well conditioned from one batch; a block from fewer rows is near-singular and needs the
+  directions earlier batches saw."""
 
   provides = frozenset({"covariance", "stored factors"})
   stores_factors = True
 
-  def __init__(self, decay: float, inverse_period: Period):
+  def __init__(self, decay: float, inverse_period: Period, rows_ratio: Optional[float] = None):
     static = ("It decides the state's layout and the inversion steps in Python, so it cannot "
               "be a traced value: with optax.inject_hyperparams pass static_args=('ema_decay', "
               "'inverse_period') for kfac, kaisa and scale_by_kfac, or static_args=("
-              "'block_size', 'ema_decay') for thor and scale_by_thor.")
+              "'block_size', 'ema_decay', 'ema_rows_ratio') for thor and scale_by_thor.")
     if not isinstance(decay, (int, float)) or isinstance(decay, bool):
       raise ValueError(f"ema_decay must be a Python float in [0, 1) or None, got {decay!r}. "
                        + static)
@@ -73,10 +82,18 @@ class RunningAverage(base.FactorAccumulator):
         callable(inverse_period) or (isinstance(inverse_period, int) and inverse_period >= 1)):
       raise ValueError(f"inverse_period must be an int >= 1 or a schedule of the step, got "
                        f"{inverse_period!r}. " + static)
-    self.decay, self.inverse_period = float(decay), inverse_period
+    if rows_ratio is not None and (not isinstance(rows_ratio, (int, float))
+                                   or isinstance(rows_ratio, bool) or not 0 < rows_ratio < inf):
+      raise ValueError(f"ema_rows_ratio must be None or a positive Python number, got "
+                       f"{rows_ratio!r}. It decides in Python which blocks are averaged: with "
+                       "optax.inject_hyperparams pass it in static_args.")
+    self.decay, self.inverse_period, self.rows_ratio = float(decay), inverse_period, rows_ratio
 
   def describe(self) -> str:
     return "stored factors (ema_decay, an inverse_period other than 1, or adaptive_refresh)"
+
+  def replaces(self, rows, block):
+    return self.rows_ratio is not None and rows >= self.rows_ratio * block
 
   def init(self, block, num_blocks, dtype):
     return FactorState(factor=jnp.zeros((num_blocks, block, block), dtype),
