@@ -25,7 +25,7 @@ not reached), the mean best and final test accuracy over the seeds (evaluated ev
 ``--eval-every`` steps) and the mean training seconds (on a quiet machine; contention inflates
 them, steps are unaffected).
 
-Run (2 tasks x 14 rows x 3 seeds; about 40 minutes on a 2-core CPU shared with other jobs)::
+Run (2 tasks x 15 rows x 3 seeds; about 40 minutes on a 2-core CPU shared with other jobs)::
 
   python3 benchmarks/ablation.py
   python3 benchmarks/ablation.py --tasks cnn --rows kfac thor --seeds 0 1 2 3 4
@@ -85,6 +85,8 @@ ROWS = (
     Row("thor", _thor(), GROWING, "and a running average (0.95) across refreshes of each block "
         "formed from fewer than 4 rows per dimension: thor_optax.thor's defaults, as in mnist.py"),
     # Leave one out: thor with one choice set back to K-FAC's.
+    Row("thor-all", _thor(ema_rows_ratio=None), GROWING, "thor averaging every block, also "
+        "those formed from many rows (K-FAC's running average)"),
     Row("thor-whole", _thor(block_size=None), GROWING, "thor with whole factors"),
     Row("thor-every", _thor(trace_thresholds=(0.0, 0.0)), GROWING,
         "thor refreshing every block at every check (trace_thresholds=(0, 0))"),
