@@ -132,7 +132,8 @@ def test_every_state_field_round_trips(tmp_path):
     if field == "factor_dims":  # no leaves: part of the structure, compared below
       continue
     assert jax.tree.leaves(getattr(kfac, field)) or jax.tree.leaves(getattr(skfac, field)), field
-  assert dict(kfac.factor_dims.dims)["_Tower_0/Dense_0"] == (41, 3, 1)  # Dense(3), built first, on 40 tanh units
+  # Dense_0 is Dense(3), built first, on 40 tanh units.
+  assert dict(kfac.factor_dims.dims)["_Tower_0/Dense_0"] == (41, 3, 1)
   assert "_Tower_0/Dense_0" in kfac.diagnostics and not jax.tree.leaves(skfac.accumulator)  # '/', EmptyState
 
   rng = np.random.default_rng(0)

@@ -171,8 +171,9 @@ def thor(
   return _guarded(skip_not_finite, optax.chain(
       _preconditioner(transform.scale_by_thor(
           damping, block_size=block_size, trace_thresholds=trace_thresholds, ema_decay=ema_decay,
-          ema_rows_ratio=ema_rows_ratio, pi_damping=pi_damping, min_relative_damping=min_relative_damping,
-          inverse_method=inverse_method, block_sharding=block_sharding,
+          ema_rows_ratio=ema_rows_ratio, pi_damping=pi_damping,
+          min_relative_damping=min_relative_damping, inverse_method=inverse_method,
+          block_sharding=block_sharding,
           axis_name=axis_name, layers=layers), learning_rate, max_kl, precondition_mask),
       *_first_order_tail(learning_rate, momentum, nesterov, weight_decay, weight_decay_mask)))
 

@@ -473,10 +473,10 @@ def scale_by_thor(
       (Marchenko-Pastur, isotropic rows: eigenvalues above about a quarter of their mean), one
       from fewer is near-singular. Side curvature (an embedding's diagonal ``A``, a
       normalization layer's 2x2 Fisher) is averaged at every refresh. A value that is not
-      ``None`` or a positive Python number raises ``ValueError``. Evidence (README, "Which of THOR's approximations costs steps"): on the
-      MNIST models, where the dense layers' blocks see 128 rows, averaging saved steps on every
-      target; on the language model, whose blocks see 1,024 rows, averaging every block cost
-      steps and final loss, averaging none did not.
+      ``None`` or a positive Python number raises ``ValueError``. Evidence (README, "Which of
+      THOR's approximations costs steps"): on the MNIST models, where the dense layers' blocks
+      see 128 rows, averaging saved steps on every target; on the language model, whose blocks
+      see 1,024 rows, averaging every block cost steps and final loss, averaging none did not.
     pi_damping: split the damping with the pi rule (Martens & Grosse 2015, section 6.3).
     min_relative_damping: floor ``rho >= 0`` on each block's damping, relative to its mean
       eigenvalue: a factor block ``B`` of dimension ``d`` formed from ``R`` rows gets at least
