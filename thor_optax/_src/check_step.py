@@ -342,7 +342,9 @@ def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.B
     accumulated = stack.get("accumulator")
     update, policy_state = cfg.policy.confirm(
         selected, cov, getattr(accumulated, "factor", None), never, choice.state, count)
-    replaced = np.zeros((n,), bool)  # static: blocks whose rows make them well conditioned
+    # Static: blocks whose rows make them well conditioned take the new covariance as they
+    # take it at their first refresh (accumulators/running_average.py, rows_ratio).
+    replaced = np.zeros((n,), bool)
     for slot, r in inputs.rows.items():
       replaced[slot.start:slot.stop] = cfg.accumulator.replaces(
           num_replicas * r.rows.shape[-2], min(slot.dim, b))

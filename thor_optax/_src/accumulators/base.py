@@ -70,7 +70,8 @@ class FactorAccumulator(abc.ABC):
   def accumulate(self, covariance: jax.Array, update: jax.Array, never: jax.Array, state: Any,
                  invert_now: jax.Array) -> Accumulated:
     """The factors to invert from the covariances ``(n, b, b)`` of the blocks in ``update``
-    (``never``: blocks never refreshed)."""
+    (``never``: blocks whose new covariance replaces the stored factor: never refreshed, or
+    formed from enough rows, :meth:`replaces`)."""
 
   def after_inversion(self, state: Any, refreshed: jax.Array) -> Any:
     """Per-block state once the blocks in ``refreshed`` are inverted."""
