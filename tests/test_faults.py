@@ -31,6 +31,7 @@ import thor_optax
 from thor_optax.flax import value_and_grad_with_stats
 from thor_optax._src import blocks as blocks_lib
 from thor_optax._src import damping as damping_lib
+from thor_optax._src import finite
 from thor_optax._src import linalg
 
 from reference import softmax_ce
@@ -224,6 +225,22 @@ def test_resolvable_blocks_lie_between_the_roundoff_of_the_damping_and_one_over_
       got = damping_lib.resolvable(tr, jnp.full_like(tr, d), jnp.full_like(tr, r))
       np.testing.assert_array_equal(np.asarray(got), [False, False, True, True, True, False],
                                     err_msg=str(dtype))
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_all_finite_finds_one_bad_entry_in_any_leaf(bad):
+  """The guard's check (``finite.all_finite``) finds one bad entry in a large leaf (checked on
+  its own) and in a small one (checked with the others, concatenated), in float32 and bfloat16
+  leaves alike; finite entries near float32's largest, whose sum overflows, are finite."""
+  leaves = {"large": jnp.ones((300, 200)), "small": jnp.ones((7,)),
+            "bf16": jnp.ones((5,), jnp.bfloat16), "ints": jnp.arange(3),
+            "empty": jnp.zeros((0,))}
+  assert bool(finite.all_finite(leaves))
+  assert bool(finite.all_finite({"huge": jnp.full((4,), 3e38, jnp.float32)}))
+  for name, index in (("large", (299, 199)), ("small", (3,)), ("bf16", (4,))):
+    bad_leaves = {**leaves, name: leaves[name].at[index].set(bad)}
+    assert not bool(jax.jit(finite.all_finite)(bad_leaves)), name
+  assert bool(finite.all_finite({})) and bool(finite.all_finite({"ints": jnp.arange(3)}))
 
 
 def _thor_first_check(x, damping):
