@@ -6,8 +6,9 @@ Three tables per model (the MLP and the CNN of ``benchmarks/mnist.py``, real MNI
 1. **What a check step costs when the trace rule refreshes all, some or none of the
    blocks.** THOR's claim is that skipped factor blocks cost neither a covariance nor an
    inversion. Under ``jax.jit`` that holds only if skipped work is not computed and then
-   discarded; thor_optax gathers the blocks due into a buffer of a static budget and runs only
-   that budget's branch (``blocks.masked_block_update``). After a first check, a second batch of
+   discarded; thor_optax refreshes on CPU only the blocks due, one at a time, and elsewhere
+   gathers them into a buffer of a static budget and runs only that budget's branch
+   (``blocks.masked_block_update``). After a first check, a second batch of
    statistics is built in which the input columns of a chosen fraction of every factor's blocks
    are scaled by 2: exactly those blocks' traces jump past ``omega1 = 0.01``, every other block's
    trace is unchanged (ratio 0, kept). The table times the preconditioner's ``update`` on it

@@ -210,7 +210,9 @@ def test_train_state_passes_statistics(conv_setup):
   updates, opt_state = jax.jit(lambda g: tx.update(g, tx.init(params), params,
                                                    curvature_stats=stats))(grads)
   _assert_trees_close(new.params, optax.apply_updates(params, updates), rtol=1e-6, atol=1e-8)
-  _assert_trees_close(new.opt_state, opt_state, rtol=1e-6, atol=1e-8)
+  # The two programs compile the float32 Cholesky inverses differently (one also applies the
+  # updates): they agree to float32 rounding, about 1e-5 relative on the worst-conditioned block.
+  _assert_trees_close(new.opt_state, opt_state, rtol=1e-4, atol=1e-8)
   assert new.tx is tx and int(new.step) == 1
   # A plain step: the stored inverses, no refresh.
   plain = jax.jit(lambda s, g: s.apply_gradients(grads=g))(new, grads)

@@ -186,7 +186,8 @@ def test_thor_alias_averages_the_blocks_by_default():
   assert not any("accumulator" in stack for stack in paper.blocks.values())
 
 
-def test_masked_block_update_only_selected_blocks_and_budget():
+def _masked_update_case():
+  """Blocks 1, 5 and 6 of 8 selected; ``fn`` fails on block 5; the sizes it was traced with."""
   old = jnp.arange(8.0)[:, None] * jnp.ones((8, 3))
   seen_sizes = []
 
@@ -195,13 +196,38 @@ def test_masked_block_update_only_selected_blocks_and_budget():
     return -jnp.ones((idx.shape[0], 3)) * idx[:, None], idx != 5  # block 5 "fails"
 
   mask = jnp.zeros(8, bool).at[jnp.array([1, 5, 6])].set(True)
-  new, refreshed = jax.jit(lambda m: blocks.masked_block_update(m, old, fn, 4))(mask)
-  np.testing.assert_array_equal(refreshed, [0, 1, 0, 0, 0, 0, 1, 0])
   expected = np.array(old)
   expected[1], expected[6] = -1.0, -6.0
+  return old, fn, mask, expected, seen_sizes
+
+
+@pytest.mark.parametrize("form", ["budgeted", "sequential"])
+def test_masked_block_update_only_selected_blocks(form):
+  """Both forms replace exactly the selected blocks that ``fn`` accepts; the batched form traces
+  one branch per non-zero budget, the sequential one a single block; nothing selected, nothing
+  replaced."""
+  old, fn, mask, expected, seen_sizes = _masked_update_case()
+  update = {"budgeted": lambda m, o, f: blocks.budgeted_block_update(m, o, f, 4),
+            "sequential": blocks.sequential_block_update}[form]
+  new, refreshed = jax.jit(lambda m: update(m, old, fn))(mask)
+  np.testing.assert_array_equal(refreshed, [0, 1, 0, 0, 0, 0, 1, 0])
   np.testing.assert_array_equal(new, expected)
-  assert sorted(set(seen_sizes)) == [2, 4, 6, 8]  # one traced branch per non-zero budget
+  assert sorted(set(seen_sizes)) == ([2, 4, 6, 8] if form == "budgeted" else [1])
   assert blocks.refresh_budgets(8, 4) == (0, 2, 4, 6, 8)
-  none, refreshed = blocks.masked_block_update(jnp.zeros(8, bool), old, fn, 4)
+  none, refreshed = jax.jit(lambda m: update(m, old, fn))(jnp.zeros(8, bool))
   np.testing.assert_array_equal(none, old)
   assert not refreshed.any()
+
+
+def test_masked_block_update_on_cpu_is_sequential_unless_batched():
+  """On CPU the step holds the sequential loop and none of the budgets' branches (a shorter
+  compile); ``batched=True`` (``block_sharding``) keeps the budgets."""
+  old, fn, mask, expected, _ = _masked_update_case()
+  for batched in (False, True):
+    step = jax.jit(lambda m, b=batched: blocks.masked_block_update(m, old, fn, 4, batched=b))
+    new, _ = step(mask)
+    np.testing.assert_array_equal(new, expected)
+    hlo = step.lower(mask).as_text()
+    budgets = [f"tensor<{k}x3xf32>" in hlo for k in (2, 4, 6)]  # fn's blocks per budget
+    assert ("stablehlo.while" in hlo, "tensor<1x3xf32>" in hlo) == (not batched, not batched)
+    assert budgets == [batched] * 3, (batched, budgets)

@@ -354,7 +354,7 @@ def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.B
     inverse, refreshed = blocks.masked_block_update(
         acc.invert, inverse, lambda idx: method.refresh_covariance(
             jnp.take(acc.source, idx, axis=0), inputs.damping[idx], real[idx],
-            cfg.block_sharding), cfg.num_buckets)
+            cfg.block_sharding), cfg.num_buckets, batched=cfg.block_sharding is not None)
     if acc.state is not None:
       new["accumulator"] = cfg.accumulator.after_inversion(acc.state, refreshed)
     factor_set = acc.factor_set
@@ -382,10 +382,12 @@ def covariances(inputs: StackInputs, from_rows: dict, selected: jax.Array, b: in
       parts.append(zeros)
       continue
     r = inputs.rows[slot]
+    # Batched on every platform: in a loop, the rows (an im2col of a convolution) would be
+    # laid out in memory, where each budget's branch fuses their layout into its GEMM.
     cov, _ = blocks.masked_block_update(
         selected[slot.start:slot.stop], zeros,
         lambda idx, r=r, slot=slot: (blocks.block_covariances(r.rows, r.scale, slot, idx),
-                                     jnp.ones(idx.shape, bool)), cfg.num_buckets)
+                                     jnp.ones(idx.shape, bool)), cfg.num_buckets, batched=True)
     parts.append(cov)
   return replicas.mean(jnp.concatenate(parts, axis=0), cfg.axis_name)
 
@@ -401,7 +403,8 @@ def refresh_from_rows(method: Any, slot: blocks.FactorSlot, rows: Any, inverse: 
   part, done = blocks.masked_block_update(
       selected[span], jax.tree.map(lambda v: v[span], inverse),
       lambda idx: method.refresh_rows(rows, slot, idx, damping[idx], real[idx],
-                                      cfg.block_sharding), cfg.num_buckets)
+                                      cfg.block_sharding), cfg.num_buckets,
+      batched=cfg.block_sharding is not None)
   inverse = jax.tree.map(lambda v, p: v.at[span].set(p), inverse, part)
   return inverse, refreshed.at[span].set(done)
 
