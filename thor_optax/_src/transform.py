@@ -484,10 +484,11 @@ def scale_by_thor(
       their mean before ``lambda`` is added to their products). It bounds what a stale inverse
       of a singular current-batch factor does to new gradients when ``lambda`` is small; 0
       (default): none, the papers' damping. The aliases use 0.1 (README, "Robustness").
-    refresh_buckets: on GPU and TPU (and with ``block_sharding``), the number of static
-      budgets a masked refresh chooses from (``blocks.masked_block_update``); more buckets
-      track the refreshed count more tightly at the cost of compile time. On CPU the blocks due
-      are refreshed one at a time, as many as are due, and this has no effect.
+    refresh_buckets: the number of static budgets a masked refresh chooses from
+      (``blocks.masked_block_update``); more buckets track the refreshed count more tightly at
+      the cost of compile time. They apply to the covariances of the blocks due, and on GPU and
+      TPU (or with ``block_sharding``) to their inversions too; on CPU the blocks due are
+      inverted one at a time, as many as are due.
     inverse_method: ``'cholesky'`` (damped inverse per block), ``'eigh'`` (eigendecomposition,
       exact damping of ``A (x) G``; KAISA), ``'woodbury'`` (``m x m`` solve from the ``m`` rows
       behind a factor; SKFAC; needs current-batch factors) or ``'auto'`` (Woodbury for factors
