@@ -188,12 +188,12 @@ def test_thor_alias_averages_the_blocks_by_default():
 
 def _masked_update_case():
   """Blocks 1, 5 and 6 of 8 selected; ``fn`` fails on block 5; the sizes it was traced with."""
-  old = jnp.arange(8.0)[:, None] * jnp.ones((8, 3))
+  old = jnp.arange(8.0, dtype=jnp.float32)[:, None] * jnp.ones((8, 3), jnp.float32)
   seen_sizes = []
 
   def fn(idx):
     seen_sizes.append(idx.shape[0])
-    return -jnp.ones((idx.shape[0], 3)) * idx[:, None], idx != 5  # block 5 "fails"
+    return -jnp.ones((idx.shape[0], 3), jnp.float32) * idx[:, None], idx != 5  # 5 "fails"
 
   mask = jnp.zeros(8, bool).at[jnp.array([1, 5, 6])].set(True)
   expected = np.array(old)

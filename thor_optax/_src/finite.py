@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from thor_optax._src import explicit
 from thor_optax._src import stats as stats_lib
 
 
@@ -41,8 +42,11 @@ def all_finite(tree: Any) -> jax.Array:
   (``0 * inf`` is NaN), whatever the entries' size; large leaves, each on its own."""
   leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
   leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
-  large = [jnp.all(jnp.isfinite(x)) for x in leaves if x.size >= _OWN_REDUCTION]
-  small = [x for x in leaves if x.size < _OWN_REDUCTION]
+  # Leaves typed with an explicit-sharding mesh keep their own reduction too: flattening them
+  # into one array would need a sharding for it (or gathering them).
+  own = [x.size >= _OWN_REDUCTION or explicit.explicit_mesh(x) is not None for x in leaves]
+  large = [jnp.all(jnp.isfinite(x)) for x, o in zip(leaves, own) if o]
+  small = [x for x, o in zip(leaves, own) if not o]
   if small:
     dtype = jnp.result_type(*small)
     flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in small])
