@@ -432,8 +432,9 @@ def masked_block_update(
       ``idx`` may contain blocks outside the mask when the budget exceeds the count; their
       results are discarded.
     num_buckets: number of non-zero budgets of the batched form.
-    batched: the batched form on every platform (``fn`` spreads its blocks over devices, e.g.
-      ``block_sharding``, so that one block at a time would leave all but one idle).
+    batched: the batched form on every platform: for an ``fn`` that gains from seeing all
+      its blocks at once (GEMMs over the blocks' rows, whose layout XLA fuses into them; or
+      blocks spread over devices by ``block_sharding``, all but one idle one at a time).
 
   Returns:
     ``(updated, refreshed)``: ``old`` with accepted selected blocks replaced, and the ``(n,)``
