@@ -5,7 +5,8 @@ factors, every block inverted at every check, a check at every step) in four cho
 current-batch factors, 128-blocks, the trace rule, and checks at a growing interval.
 ``thor_optax.thor`` keeps the last three and averages each block across its refreshes (what
 this ablation found). Both aliases split the damping ``sqrt(lambda)`` per factor
-(``pi_damping=False``); the ``pi`` rows show what K-FAC's pi rule would change. This script
+(``pi_damping=False``); the ``pi`` rows show what K-FAC's pi rule would change, unclipped and
+with ``pi`` clipped (``max_pi``). This script
 trains the MNIST models of ``benchmarks/mnist.py`` (same data, models, batches and evaluation)
 with:
 
@@ -25,7 +26,7 @@ not reached), the mean best and final test accuracy over the seeds (evaluated ev
 ``--eval-every`` steps) and the mean training seconds (on a quiet machine; contention inflates
 them, steps are unaffected).
 
-Run (2 tasks x 15 rows x 3 seeds; about 40 minutes on a 2-core CPU shared with other jobs)::
+Run (2 tasks x 17 rows x 3 seeds; about 45 minutes on a 2-core CPU shared with other jobs)::
 
   python3 benchmarks/ablation.py
   python3 benchmarks/ablation.py --tasks cnn --rows kfac thor --seeds 0 1 2 3 4
@@ -94,6 +95,10 @@ ROWS = (
     Row("kfac-pi", _kfac(pi_damping=True), 1, "kfac with K-FAC's pi rule for the damping split"),
     Row("thor-pi", _thor(pi_damping=True), GROWING, "thor with K-FAC's pi rule for the damping "
         "split"),
+    Row("thor-pi5", _thor(pi_damping=True, max_pi=5.0), GROWING, "thor with the pi rule, pi "
+        "clipped to [1/5, 5]"),
+    Row("thor-pi3", _thor(pi_damping=True, max_pi=3.0), GROWING, "thor with the pi rule, pi "
+        "clipped to [1/3, 3]"),
     # First-order references at their tuned rates (mnist.DEFAULT_LEARNING_RATE).
     Row("sgd", None, None, "optax.sgd, momentum 0.9"),
     Row("adam", None, None, "optax.adam"),

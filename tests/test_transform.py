@@ -220,21 +220,45 @@ def test_ema_averages_factors_over_refreshes(setup):
   assert not factors(f1), "no factor storage without EMA"
 
 
-def test_pi_damping_matches_formula(setup):
+@pytest.mark.parametrize("max_pi", [None, 1.2, 1.0])
+def test_pi_damping_matches_formula(setup, max_pi):
   params, grads, stats = setup
   lam = 0.05
-  tx = thor_optax.scale_by_kfac(lam, ema_decay=0.0, pi_damping=True)
+  tx = thor_optax.scale_by_kfac(lam, ema_decay=0.0, pi_damping=True, max_pi=max_pi)
   _, s = tx.update(grads, tx.init(params), params, curvature_stats=stats)
   layer = stats.layers["Dense_1"]
   a = np.concatenate([np.asarray(layer.inputs), np.ones((16, 1))], 1)
   g = np.asarray(layer.cotangents[0])
   fa, fg = a.T @ a / 16, g.T @ g / 16
   pi = np.sqrt((np.trace(fa) / fa.shape[0]) / (np.trace(fg) / fg.shape[0]))
+  assert not 1 / 1.2 <= pi <= 1.2, f"the clip at 1.2 must bind, pi = {pi}"
+  pi = pi if max_pi is None else np.clip(pi, 1 / max_pi, max_pi)  # 1: the equal split
   want_a = np.linalg.inv(fa + pi * np.sqrt(lam) * np.eye(10))
   want_g = np.linalg.inv(fg + np.sqrt(lam) / pi * np.eye(3))
   # Whole factors: A of Dense_1 (dim 10) and G (dim 3) are single unpadded blocks.
   np.testing.assert_allclose(inverse_blocks(s)["b10"][-1], want_a, rtol=2e-3, atol=1e-4)
   np.testing.assert_allclose(inverse_blocks(s)["b3"][-1], want_g, rtol=2e-3, atol=1e-4)
+
+
+def test_max_pi_below_one_or_not_finite_is_refused():
+  for bad in (0.5, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="max_pi must be finite and >= 1"):
+      thor_optax.scale_by_thor(0.1, pi_damping=True, max_pi=bad)
+
+
+def test_thor_alias_passes_max_pi(setup):
+  params, grads, stats = setup
+  pre = thor_optax.scale_by_thor(0.05, block_size=4, ema_decay=0.95, ema_rows_ratio=4.0,
+                                 pi_damping=True, max_pi=1.2, min_relative_damping=0.1)
+  alias = thor_optax.thor(1.0, 0.05, momentum=0.0, block_size=4, max_kl=None,
+                          pi_damping=True, max_pi=1.2)
+  want, _ = pre.update(grads, pre.init(params), params, curvature_stats=stats)
+  got, _ = alias.update(grads, alias.init(params), params, curvature_stats=stats)
+  _tree_allclose(got, jax.tree.map(lambda u: -u, want), rtol=1e-6, atol=1e-7)
+  unclipped = thor_optax.thor(1.0, 0.05, momentum=0.0, block_size=4, max_kl=None,
+                              pi_damping=True)
+  other, _ = unclipped.update(grads, unclipped.init(params), params, curvature_stats=stats)
+  assert not np.allclose(other["Dense_1"]["kernel"], got["Dense_1"]["kernel"], rtol=1e-4)
 
 
 def test_layers_without_statistics_pass_through(setup):

@@ -255,7 +255,7 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
     tr_a = jnp.where(spread <= _ONE_ROW_TOLERANCE * total, jnp.zeros_like(tr_a), tr_a)
   finite = jnp.all(jnp.isfinite(tr_a)) & jnp.all(jnp.isfinite(tr_g))
   d_a, d_g = damping_lib.split_damping(tr_a, dim_a, tr_g, spec.g.dim, sqrt_damping,
-                                       cfg.damping.pi_damping)
+                                       cfg.damping.pi_damping, cfg.damping.max_pi)
   return layer_base.LayerFactors(a, g, tr_a, tr_g, d_a, d_g, finite)
 
 

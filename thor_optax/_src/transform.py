@@ -421,6 +421,7 @@ def scale_by_thor(
     ema_decay: Optional[float] = None,
     ema_rows_ratio: Optional[float] = None,
     pi_damping: bool = False,
+    max_pi: Optional[float] = None,
     min_relative_damping: float = 0.0,
     refresh_buckets: int = 4,
     inverse_method: str = "cholesky",
@@ -478,6 +479,11 @@ def scale_by_thor(
       see 128 rows, averaging saved steps on every target; on the language model, whose blocks
       see 1,024 rows, averaging every block cost steps and final loss, averaging none did not.
     pi_damping: split the damping with the pi rule (Martens & Grosse 2015, section 6.3).
+    max_pi: with ``pi_damping``, ``pi`` is clipped to ``[1 / max_pi, max_pi]`` (``None``, the
+      default: the rule as published; 1: the equal split). A convolution's factors can differ
+      in scale by 1e9, and the unclipped rule then gives it the gradient scaled by
+      ``1 / lambda`` (``damping.py``; :func:`thor` for measured values). A Python number
+      below 1 or not finite raises ``ValueError``.
     min_relative_damping: floor ``rho >= 0`` on each block's damping, relative to its mean
       eigenvalue: a factor block ``B`` of dimension ``d`` formed from ``R`` rows gets at least
       ``rho tr(B) / min(R, d)`` (eigh: each factor's eigenvalues are floored at ``rho`` times
@@ -583,7 +589,7 @@ def scale_by_thor(
       method=inverses.make(inverse_method, woodbury_rows),
       policy=trace_rule.TraceRule(*trace_thresholds),
       accumulator=_accumulator(ema_decay, inverse_period, None, ema_rows_ratio),
-      damping=damping_lib.FactoredDamping(pi_damping, min_relative_damping),
+      damping=damping_lib.FactoredDamping(pi_damping, min_relative_damping, max_pi),
       sampling=conv.ConvSampling(conv_statistics, spatial_samples),
       subsample_key=subsample_key, num_buckets=refresh_buckets, dtype=dtype,
       block_sharding=block_sharding, axis_name=axis_name, layers=layers))
@@ -595,6 +601,7 @@ def scale_by_kfac(
     ema_decay: Optional[float] = 0.95,
     block_size: Optional[int] = None,
     pi_damping: bool = False,
+    max_pi: Optional[float] = None,
     min_relative_damping: float = 0.0,
     inverse_method: str = "cholesky",
     conv_statistics: str = "expand",
@@ -629,6 +636,7 @@ def scale_by_kfac(
       ``None`` for the current batch only.
     block_size: ``None`` (default) inverts whole factors; an int splits them as THOR does.
     pi_damping: split the damping with the pi rule.
+    max_pi: clip of ``pi``; see :func:`scale_by_thor`.
     min_relative_damping: floor on each block's damping; see :func:`scale_by_thor`.
     inverse_method, conv_statistics, spatial_samples, subsample_key, inverse_period: see
       :func:`scale_by_thor`.
@@ -660,7 +668,7 @@ def scale_by_kfac(
       policy=(every_check.EveryCheck() if adaptive_refresh is None
               else adaptive.Adaptive(adaptive_refresh, max_refresh_interval)),
       accumulator=_accumulator(ema_decay, inverse_period, adaptive_refresh),
-      damping=damping_lib.FactoredDamping(pi_damping, min_relative_damping),
+      damping=damping_lib.FactoredDamping(pi_damping, min_relative_damping, max_pi),
       sampling=conv.ConvSampling(conv_statistics, spatial_samples),
       subsample_key=subsample_key, num_buckets=1 if adaptive_refresh is None else 4,
       dtype=dtype, block_sharding=block_sharding, axis_name=axis_name, layers=layers))
