@@ -468,6 +468,12 @@ def budgeted_block_update(mask: jax.Array, old: Any,
     def run(_):
       if k == 0:
         return old, none
+      if k == n:  # every block, in block order: no gather or scatter of the blocks
+        new, accept = fn(jnp.arange(n, dtype=jnp.int32))
+        take = jnp.logical_and(mask, accept)
+        return jax.tree_util.tree_map(
+            lambda o, nw: jnp.where(take.reshape((n,) + (1,) * (o.ndim - 1)),
+                                    nw.astype(o.dtype), o), old, new), take
       idx = order[:k]
       new, accept = fn(idx)
       take = jnp.logical_and(mask[idx], accept)
