@@ -231,3 +231,35 @@ def test_masked_block_update_on_cpu_is_sequential_unless_batched():
     budgets = [f"tensor<{k}x3xf32>" in hlo for k in (2, 4, 6)]  # fn's blocks per budget
     assert ("stablehlo.while" in hlo, "tensor<1x3xf32>" in hlo) == (not batched, not batched)
     assert budgets == [batched] * 3, (batched, budgets)
+
+def test_diagnostics_per_layer_of_a_shared_block_stack():
+  # Two layers whose blocks share one stack: each layer's diagnostics count its own blocks.
+  params = {"first": {"kernel": jnp.zeros((D_IN, D_OUT), jnp.float32)},   # A 3 blocks, G 2
+            "second": {"kernel": jnp.zeros((D_OUT, 8), jnp.float32)}}     # A 2 blocks, G 2
+  (a1, g1), (a2, g2) = _data(0), _data(1)
+  a2, g2 = a2[:, :D_OUT], jnp.concatenate([g2, g2[:, :2]], axis=1)
+
+  def stats(a1, g1, a2, g2):
+    return thor_optax.CurvatureStats(layers={
+        "first": thor_optax.DenseStats(inputs=a1, cotangents=g1[None]),
+        "second": thor_optax.DenseStats(inputs=a2, cotangents=g2[None])})
+
+  tx = thor_optax.scale_by_thor(0.1, block_size=B, trace_thresholds=(0.01, 0.0))
+  state = tx.init(params)
+  update = jax.jit(lambda s, st: tx.update(params, s, params, curvature_stats=st)[1])
+  first = update(state, stats(a1, g1, a2, g2))
+  jump = a2.at[:, 0:4].multiply(3.0)  # the second layer's A block 0 jumps (trace x9)
+  drop = g1.at[:, 4:6].multiply(0.5)  # the first layer's G block 1 drops (trace x0.25)
+  second = update(first, stats(a1, drop, jump, g2))
+  d1, d2 = second.diagnostics["first"], second.diagnostics["second"]
+  assert (int(d1.blocks_refreshed), int(d2.blocks_refreshed)) == (1, 1)
+  assert (int(d1.total_refreshes), int(d2.total_refreshes)) == (6, 5)
+  assert int(d1.rejected_blocks) == int(d2.rejected_blocks) == 0
+  t = float(jnp.sum(a2[:, 0:4] ** 2)) / N
+  np.testing.assert_allclose(float(d2.trace_ratio), 8 * t / (t + 4 * np.sqrt(0.1)), rtol=1e-4)
+  t = float(jnp.sum(g1[:, 4:6] ** 2)) / N  # two true dimensions in the padded block
+  np.testing.assert_allclose(float(d1.trace_ratio), 0.75 * t / (t + 2 * np.sqrt(0.1)), rtol=1e-4)
+  # An all-zero input batch: the first layer's 3 A blocks keep their inverses, counted.
+  third = update(second, stats(jnp.zeros_like(a1), g1, a2, g2))
+  assert (int(third.diagnostics["first"].rejected_blocks),
+          int(third.diagnostics["second"].rejected_blocks)) == (3, 0)
