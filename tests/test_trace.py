@@ -263,3 +263,31 @@ def test_diagnostics_per_layer_of_a_shared_block_stack():
   third = update(second, stats(jnp.zeros_like(a1), g1, a2, g2))
   assert (int(third.diagnostics["first"].rejected_blocks),
           int(third.diagnostics["second"].rejected_blocks)) == (3, 0)
+
+
+def test_diagnostics_read_as_a_mapping_of_layer_records():
+  # The record is three arrays over the layers, read per layer as LayerDiagnostics; a layer
+  # without statistics at a check keeps its record; leading axes (pmap's) are kept.
+  params = {"first": {"kernel": jnp.zeros((D_IN, D_OUT), jnp.float32)},
+            "second": {"kernel": jnp.zeros((D_OUT, 8), jnp.float32)}}
+  (a1, g1), (a2, g2) = _data(0), _data(1)
+  tx = thor_optax.scale_by_thor(0.1, block_size=B, trace_thresholds=(0.0, 0.0))
+  update = jax.jit(lambda s, st: tx.update(params, s, params, curvature_stats=st)[1])
+  first = {"first": thor_optax.DenseStats(inputs=a1, cotangents=g1[None])}
+  both = thor_optax.CurvatureStats(layers={**first, "second": thor_optax.DenseStats(
+      inputs=a2[:, :D_OUT], cotangents=jnp.concatenate([g2, g2[:, :2]], axis=1)[None])})
+  state = update(tx.init(params), both)
+  with pytest.warns(UserWarning, match="second"):
+    state = update(state, thor_optax.CurvatureStats(layers=first))
+  diag = state.diagnostics
+  assert isinstance(diag, thor_optax.Diagnostics) and list(diag) == ["first", "second"]
+  assert len(jax.tree.leaves(diag)) == 3
+  assert isinstance(diag["first"], thor_optax.LayerDiagnostics)
+  # blocks_refreshed, num_blocks, total_refreshes, frozen_blocks, rejected_blocks
+  records = {name: tuple(int(v) for v in d[:4] + d[5:]) for name, d in diag.items()}
+  assert records == {"first": (5, 5, 10, 0, 0), "second": (4, 4, 4, 0, 0)}
+  with pytest.raises(KeyError, match=r"'third'.*\['first', 'second'\]"):
+    diag["third"]  # pylint: disable=pointless-statement
+  stacked = jax.tree.map(lambda x: jnp.stack([x, 2 * x]), diag)
+  np.testing.assert_array_equal(stacked["first"].total_refreshes, [10, 20])
+  np.testing.assert_array_equal(stacked["second"].num_blocks, [4, 8])

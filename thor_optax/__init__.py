@@ -23,7 +23,8 @@ Public API (import from here, ``thor_optax.flax`` or ``thor_optax.nnx``; never f
   from a capture's statistics (the layers it takes, laid out as it takes them: attention
   projections without bias, einsums); ``captured_mask``: the ``precondition_mask`` of the
   aliases, from the same statistics (no curvature state for layers the capture never takes).
-* ``KroneckerState``, ``LayerDiagnostics``: the transform state and its per-layer record.
+* ``KroneckerState``, ``Diagnostics``, ``LayerDiagnostics``: the transform state, its per-layer
+  record (a mapping from layer path to ``LayerDiagnostics``) and one layer's record.
 * ``DenseStats``, ``DenseGeneralStats``, ``EinsumStats``, ``ConvStats``, ``EmbedStats``,
   ``NormStats``, ``CurvatureStats``: raw per-layer statistics.
 * ``LayerKind``, ``register_layer_kind``, ``unregister_layer_kind``: layer kinds of one's own
@@ -64,6 +65,7 @@ from thor_optax._src.stats import DenseStats
 from thor_optax._src.stats import EinsumStats
 from thor_optax._src.stats import EmbedStats
 from thor_optax._src.stats import NormStats
+from thor_optax._src.transform import Diagnostics
 from thor_optax._src.transform import KroneckerState
 from thor_optax._src.transform import LayerDiagnostics
 from thor_optax._src.transform import scale_by_kfac
@@ -79,6 +81,7 @@ __all__ = (
     "CurvatureStats",
     "DenseGeneralStats",
     "DenseStats",
+    "Diagnostics",
     "EinsumStats",
     "EmbedStats",
     "KLClipState",

@@ -27,6 +27,7 @@ References:
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import math
 import warnings
@@ -82,6 +83,73 @@ class LayerDiagnostics(NamedTuple):
   rejected_blocks: jax.Array
 
 
+# The integer fields of LayerDiagnostics, in the order of Diagnostics.counts' last axis.
+_COUNTS = ("blocks_refreshed", "total_refreshes", "frozen_blocks", "rejected_blocks")
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Diagnostics(collections.abc.Mapping):
+  """The per-layer record of a ``KroneckerState``, read as ``{layer path: LayerDiagnostics}``.
+
+  Stored as three arrays over the layers, in ``names`` order, so that a check step writes
+  them in a few kernels: one scalar leaf per layer and field was one kernel each for XLA to
+  compile (15 of the MNIST MLP's check step, 35 of a small ResNet's).
+
+  Attributes:
+    names: the layer paths (static: the pytree's auxiliary data).
+    counts: ``(L, 4)`` int32: per layer ``blocks_refreshed``, ``total_refreshes``,
+      ``frozen_blocks``, ``rejected_blocks`` (see :class:`LayerDiagnostics`).
+    num_blocks: ``(L,)`` int32, each layer's number of factor blocks.
+    trace_ratio: ``(L,)``, each layer's largest trace ratio at its last check.
+
+  ``diagnostics[name]`` is that layer's :class:`LayerDiagnostics`; leading axes (a state of
+  ``jax.pmap``, one per device) are kept: ``counts[..., i, k]``.
+
+  Raises:
+    KeyError: naming the layer and the layers there are, for a layer path not in ``names``.
+  """
+
+  def __init__(self, names: tuple[str, ...], counts: Any, num_blocks: Any, trace_ratio: Any):
+    self.names = tuple(names)
+    self.counts = counts
+    self.num_blocks = num_blocks
+    self.trace_ratio = trace_ratio
+
+  @classmethod
+  def zeros(cls, num_blocks: dict[str, int], dtype: jnp.dtype) -> "Diagnostics":
+    """No check yet, for the layers ``{path: number of factor blocks}``."""
+    names = tuple(num_blocks)
+    return cls(names, jnp.zeros((len(names), len(_COUNTS)), jnp.int32),
+               jnp.asarray([num_blocks[n] for n in names], jnp.int32).reshape(len(names)),
+               jnp.zeros((len(names),), dtype))
+
+  def __getitem__(self, name: str) -> "LayerDiagnostics":
+    if name not in self.names:
+      raise KeyError(f"no diagnostics for layer {name!r}; the layers are {list(self.names)}")
+    i = self.names.index(name)
+    fields = {f: self.counts[..., i, k] for k, f in enumerate(_COUNTS)}
+    return LayerDiagnostics(num_blocks=self.num_blocks[..., i],
+                            trace_ratio=self.trace_ratio[..., i], **fields)
+
+  def __iter__(self):
+    return iter(self.names)
+
+  def __len__(self) -> int:
+    return len(self.names)
+
+  def __repr__(self) -> str:
+    return f"Diagnostics(names={self.names}, counts={self.counts!r}, " \
+           f"num_blocks={self.num_blocks!r}, trace_ratio={self.trace_ratio!r})"
+
+  def tree_flatten_with_keys(self):
+    keys = [jax.tree_util.GetAttrKey(k) for k in ("counts", "num_blocks", "trace_ratio")]
+    return list(zip(keys, (self.counts, self.num_blocks, self.trace_ratio))), self.names
+
+  @classmethod
+  def tree_unflatten(cls, names, children):
+    return cls(names, *children)
+
+
 class StackInputs(NamedTuple):
   """A block stack's inputs at a check step.
 
@@ -130,9 +198,9 @@ def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam
           side_statistics(spec, flat[spec.name], dtype), cfg.axis_name)
       side[spec.name] = side_refresh(spec, flat[spec.name], state.layers[spec.name],
                                      side_inputs, lam, cfg)
-  diagnostics = {**state.diagnostics, **layer_diagnostics(
+  diagnostics = layer_diagnostics(
       [spec for spec in layout.layers if spec.name in factors], state.diagnostics, new_blocks,
-      refreshed, ratio, {g: i.valid for g, i in inputs.items()}, cfg.policy)}
+      refreshed, ratio, {g: i.valid for g, i in inputs.items()}, cfg.policy)
   return state._replace(
       blocks=new_blocks, layers={**state.layers, **side}, diagnostics=diagnostics,
       accumulator=cfg.accumulator.update_global(state.accumulator, invert_now, state.count))
@@ -245,14 +313,16 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
     a = replicas.mean(a, cfg.axis_name)
     mean_row = None
   tr_a, tr_g, mean_row = replicas.mean((tr_a, tr_g, mean_row), cfg.axis_name)
+  total = jnp.sum(tr_a)
+  # Traces are sums of squares: their sum is finite exactly when every trace is (or it
+  # overflows, which rejects the statistics too); one reduction instead of one per factor.
+  finite = jnp.isfinite(total + jnp.sum(tr_g))
   if mean_row is not None and a.rows.shape[0] > 1:
     # Rows that are all one row (an all-zero batch behind a bias, one example repeated) give
     # a rank-one A that says nothing of the inputs' spread: the A blocks keep their inverses
     # (a zero trace marks them not valid in gather). tr(A) - s R |mean row|^2 is the spread.
-    total = jnp.sum(tr_a)
     spread = total - a.scale * a.rows.shape[0] * jnp.sum(mean_row * mean_row)
     tr_a = jnp.where(spread <= _ONE_ROW_TOLERANCE * total, jnp.zeros_like(tr_a), tr_a)
-  finite = jnp.all(jnp.isfinite(tr_a)) & jnp.all(jnp.isfinite(tr_g))
   d_a, d_g = damping_lib.split_damping(tr_a, dim_a, tr_g, spec.g.dim, sqrt_damping,
                                        cfg.damping.pi_damping, cfg.damping.max_pi)
   return layer_base.LayerFactors(a, g, tr_a, tr_g, d_a, d_g, finite)
@@ -265,10 +335,12 @@ def _real_counts(slot: blocks.FactorSlot) -> np.ndarray:
 
 
 def _per_block(value: jax.Array, slot: blocks.FactorSlot) -> jax.Array:
-  """A layer's scalar, or a stack's ``(C,)`` / ``(C, blocks_per_copy)`` values, per block."""
-  if jnp.ndim(value) == 1 and slot.copies > 1 and value.shape[0] == slot.copies:
-    return jnp.repeat(value, slot.blocks_per_copy)
-  return value.reshape(-1) if jnp.ndim(value) > 1 else value
+  """A layer's scalar, or a stack's ``(C,)`` / ``(C, blocks_per_copy)`` values, as
+  ``(num_blocks,)``."""
+  value = jnp.asarray(value)
+  if value.ndim == 1 and slot.copies > 1 and value.shape[0] == slot.copies:
+    value = jnp.repeat(value, slot.blocks_per_copy)
+  return jnp.broadcast_to(value.reshape(-1) if value.ndim > 1 else value, (slot.num_blocks,))
 
 
 def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactors],
@@ -284,36 +356,62 @@ def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactor
   A block is valid if its statistics are finite (all of its layer's) and resolvable next to its
   damping (``damping.resolvable``: not vanishing, not near-singular); an ``A`` whose rows are
   one row repeated has zero traces here (:func:`layer_factors`). Invalid blocks keep their
-  inverses."""
-  trace = {g: jnp.zeros((n,), dtype) for g, (_, n) in layout.groups.items()}
-  damping = {g: jnp.ones((n,), dtype) for g, (_, n) in layout.groups.items()}
-  valid = {g: jnp.zeros((n,), bool) for g, (_, n) in layout.groups.items()}
-  rows = {g: {} for g in layout.groups}
+  inverses; blocks of no layer with statistics have trace 0, damping 1 and are not valid.
+
+  The layers' values are concatenated in block order and the floor, the validity and the
+  damped traces computed once per stack: computed slot by slot and scattered into the stack,
+  they were a handful of small kernels per factor, each compiled on its own by XLA."""
+  parts = {g: [] for g in layout.groups}
   for spec in layout.layers:
     if spec.name not in factors:
       continue
     f = factors[spec.name]
     for slot, r, tr, d in ((spec.a, f.a, f.a_traces, f.d_a), (spec.g, f.g, f.g_traces, f.d_g)):
-      if slot is None:
-        continue
-      tr, d, finite = (_per_block(v, slot) for v in (tr, d, f.finite))
-      real = jnp.asarray(_real_counts(slot), dtype)
-      spanned = jnp.minimum(real, num_replicas * r.rows.shape[-2])
-      d = damping_lib.floored(d, tr, spanned, min_relative_damping)
-      # A block whose statistics vanish next to its damping (an all-zero batch, units that
-      # did not fire) says nothing of its curvature, and one that is near-singular once damped
-      # cannot be inverted: either keeps the inverse it has, like a non-finite one.
-      finite = finite & damping_lib.resolvable(tr, d, real)
-      damped = jnp.where(finite, tr + d * real, 0.0)
-      g, span = slot.group, slice(slot.start, slot.stop)
-      trace[g] = trace[g].at[span].set(damped)
-      damping[g] = damping[g].at[span].set(d)
-      valid[g] = valid[g].at[span].set(finite)
-      rows[g][slot] = r
-  slots = {g: tuple(sorted((s for spec in layout.layers for s in spec.slots if s.group == g),
-                          key=lambda s: s.start)) for g in layout.groups}
-  return {g: StackInputs(trace[g], damping[g], valid[g], rows[g], slots[g])
-          for g in layout.groups}
+      if slot is not None:
+        parts[slot.group].append((slot, r, tr, d, f.finite))
+  out = {}
+  for group, (_, n) in layout.groups.items():
+    tr, d, ok, real, spanned = _stack_values(parts[group], n, dtype, num_replicas)
+    real_dims = jnp.asarray(real, dtype)
+    d = damping_lib.floored(d, tr, jnp.asarray(spanned, dtype), min_relative_damping)
+    # A block whose statistics vanish next to its damping (an all-zero batch, units that did
+    # not fire) says nothing of its curvature, and one that is near-singular once damped
+    # cannot be inverted: either keeps the inverse it has, like a non-finite one.
+    ok = ok & damping_lib.resolvable(tr, d, real_dims)
+    slots = tuple(sorted((s for spec in layout.layers for s in spec.slots if s.group == group),
+                         key=lambda s: s.start))
+    out[group] = StackInputs(jnp.where(ok, tr + d * real_dims, 0.0), d, ok,
+                             {p[0]: p[1] for p in parts[group]}, slots)
+  return out
+
+
+def _stack_values(parts: list, n: int, dtype: jnp.dtype, num_replicas: int) -> tuple:
+  """One stack's ``(n,)`` traces, damping and finiteness, concatenated in block order from
+  ``parts`` (``(slot, rows, traces, damping, finite)`` of the factors with statistics; trace 0,
+  damping 1, not finite elsewhere), and its static ``(n,)`` true dimensions and dimensions
+  spanned by the rows per block (numpy)."""
+  real = np.zeros((n,), np.float32)
+  spanned = np.ones((n,), np.float32)
+  traces, damping, finite = [], [], []
+
+  def fill(count):  # blocks of no layer with statistics
+    if count > 0:
+      traces.append(jnp.zeros((count,), dtype))
+      damping.append(jnp.ones((count,), dtype))
+      finite.append(jnp.zeros((count,), bool))
+
+  position = 0
+  for slot, r, tr, d, ok in sorted(parts, key=lambda p: p[0].start):
+    fill(slot.start - position)
+    real[slot.start:slot.stop] = _real_counts(slot)
+    spanned[slot.start:slot.stop] = np.minimum(real[slot.start:slot.stop],
+                                               num_replicas * r.rows.shape[-2])
+    traces.append(_per_block(tr, slot).astype(dtype))
+    damping.append(_per_block(d, slot).astype(dtype))
+    finite.append(_per_block(ok, slot))
+    position = slot.stop
+  fill(n - position)
+  return (*(jnp.concatenate(x) for x in (traces, damping, finite)), real, spanned)
 
 
 def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.BlockLayout,
@@ -369,8 +467,9 @@ def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.B
   return new, refreshed, choice.ratio
 
 
-# A factor whose covariance blocks all together cost fewer FLOPs than this is multiplied out
-# whole when any of its blocks is due (one budget): each budget is a branch that XLA compiles.
+# Factors whose covariance blocks all together cost fewer FLOPs than this are multiplied out
+# whole, all in one branch per stack, when any of their blocks is due: each branch (each budget
+# of a costlier factor) is code that XLA compiles.
 _WHOLE_COVARIANCE_FLOPS = 1 << 27
 
 
@@ -378,24 +477,56 @@ def covariances(inputs: StackInputs, from_rows: dict, selected: jax.Array, b: in
                 dtype: jnp.dtype, cfg: Any) -> jax.Array:
   """``(n, b, b)`` covariance blocks of the stack: the selected blocks of every factor with
   statistics (not inverted from rows) multiplied out, zeros elsewhere, averaged across replicas
-  (``cfg.axis_name``); skipped blocks cost nothing (``blocks.masked_block_update``)."""
+  (``cfg.axis_name``).
+
+  Skipped blocks cost nothing: the costly factors' blocks due are multiplied out in the
+  smallest budget that holds them (``blocks.masked_block_update``); the cheap factors, together
+  under ``_WHOLE_COVARIANCE_FLOPS``, are multiplied out whole in one branch when any of their
+  blocks is due."""
+  whole, total = [], 0
+  for slot in inputs.slots:
+    if slot in inputs.rows and slot not in from_rows:
+      flops = 2 * inputs.rows[slot].rows.shape[-2] * slot.num_blocks * b * b
+      if total + flops < _WHOLE_COVARIANCE_FLOPS:
+        whole.append(slot)
+        total += flops
+  in_whole = np.zeros(selected.shape, bool)
+  for slot in whole:
+    in_whole[slot.start:slot.stop] = True
+  due_whole = selected & jnp.asarray(in_whole)
+
+  def multiply_whole():
+    return jnp.concatenate([
+        blocks.block_covariances(inputs.rows[s].rows, inputs.rows[s].scale, s,
+                                 jnp.arange(s.num_blocks)).astype(dtype) for s in whole])
+
+  cheap, offset = {}, 0
+  if whole:  # one array: a zeros branch of one kernel, not one per factor
+    covs = jax.lax.cond(jnp.any(due_whole), multiply_whole, lambda: jnp.zeros(
+        (sum(s.num_blocks for s in whole), b, b), dtype))
+    for s in whole:
+      cheap[s], offset = covs[offset:offset + s.num_blocks], offset + s.num_blocks
   parts = []
   for slot in inputs.slots:
-    zeros = jnp.zeros((slot.num_blocks, b, b), dtype)
-    if slot not in inputs.rows or slot in from_rows:
-      parts.append(zeros)
-      continue
-    r = inputs.rows[slot]
-    # Batched on every platform: in a loop, the rows (an im2col of a convolution) would be
-    # laid out in memory, where each budget's branch fuses their layout into its GEMM.
-    flops = 2 * r.rows.shape[-2] * slot.num_blocks * b * b
-    cov, _ = blocks.masked_block_update(
-        selected[slot.start:slot.stop], zeros,
-        lambda idx, r=r, slot=slot: (blocks.block_covariances(r.rows, r.scale, slot, idx),
-                                     jnp.ones(idx.shape, bool)),
-        cfg.num_buckets if flops >= _WHOLE_COVARIANCE_FLOPS else 1, batched=True)
-    parts.append(cov)
-  return replicas.mean(jnp.concatenate(parts, axis=0), cfg.axis_name)
+    if slot in cheap:
+      parts.append(cheap[slot])
+    elif slot in inputs.rows and slot not in from_rows:
+      r = inputs.rows[slot]
+      # Batched on every platform: in a loop, the rows (an im2col of a convolution) would be
+      # laid out in memory, where each budget's branch fuses their layout into its GEMM.
+      cov, _ = blocks.masked_block_update(
+          selected[slot.start:slot.stop], jnp.zeros((slot.num_blocks, b, b), dtype),
+          lambda idx, r=r, slot=slot: (blocks.block_covariances(r.rows, r.scale, slot, idx),
+                                       jnp.ones(idx.shape, bool)),
+          cfg.num_buckets, batched=True)
+      parts.append(cov)
+    else:
+      parts.append(jnp.zeros((slot.num_blocks, b, b), dtype))
+  cov = jnp.concatenate(parts, axis=0)
+  if whole:  # the cheap factors' blocks that are not due: zeros
+    keep = due_whole | ~jnp.asarray(in_whole)
+    cov = jnp.where(keep[:, None, None], cov, jnp.zeros((), dtype))
+  return replicas.mean(cov, cfg.axis_name)
 
 
 def refresh_from_rows(method: Any, slot: blocks.FactorSlot, rows: Any, inverse: Any,
@@ -415,34 +546,39 @@ def refresh_from_rows(method: Any, slot: blocks.FactorSlot, rows: Any, inverse: 
   return inverse, refreshed.at[span].set(done)
 
 
-def layer_diagnostics(specs: list, old: dict, stacks: dict, refreshed: dict, ratio: dict,
-                      valid: dict, policy: Any) -> dict[str, LayerDiagnostics]:
-  """The diagnostics of the layers ``specs`` after a check step, each summed over the layer's
-  factor blocks (``valid``: per block stack, the blocks whose statistics were accepted).
+def layer_diagnostics(specs: list, old: Diagnostics, stacks: dict, refreshed: dict,
+                      ratio: dict, valid: dict, policy: Any) -> Diagnostics:
+  """The diagnostics after a check step: those of the layers ``specs`` (the layers with
+  statistics) summed over each layer's factor blocks, the others' as they were (``valid``:
+  per block stack, the blocks whose statistics were accepted).
 
   One segment sum (and one segment max) per block stack gives every layer's values at once:
   summed layer by layer, slot by slot, the small slices and sums were kernels that XLA
   compiled one by one, 0.9 s of the MNIST MLP's check-step compile on a 2-core CPU."""
-  num = len(specs)
-  counts = jnp.zeros((num, 4), jnp.int32)
+  num = len(old.names)
+  index = {name: i for i, name in enumerate(old.names)}
+  counts = jnp.zeros((num, len(_COUNTS)), jnp.int32)
   ratios = None
   for group, done in refreshed.items():
     n = done.shape[0]
     ids = np.full((n,), num)  # blocks of no layer here go to a dropped segment
-    for i, spec in enumerate(specs):
+    for spec in specs:
       for s in spec.slots:
         if s.group == group:
-          ids[s.start:s.stop] = i
+          ids[s.start:s.stop] = index[spec.name]
     per_block = jnp.stack([done, stacks[group]["record"].refreshes,
                            policy.frozen(stacks[group].get("policy"), n), ~valid[group]],
                           axis=1).astype(jnp.int32)
     counts = counts + jax.ops.segment_sum(per_block, ids, num + 1)[:num]
     top = jax.ops.segment_max(ratio[group], ids, num + 1)[:num]
     ratios = top if ratios is None else jnp.maximum(ratios, top)
-  return {spec.name: LayerDiagnostics(
-      blocks_refreshed=counts[i, 0], num_blocks=old[spec.name].num_blocks,
-      total_refreshes=counts[i, 1], frozen_blocks=counts[i, 2], trace_ratio=ratios[i],
-      rejected_blocks=counts[i, 3]) for i, spec in enumerate(specs)}
+  if ratios is None:
+    return old
+  checked = np.zeros((num,), bool)
+  checked[[index[spec.name] for spec in specs]] = True
+  return Diagnostics(
+      old.names, jnp.where(checked[:, None], counts, old.counts), old.num_blocks,
+      jnp.where(checked, ratios.astype(old.trace_ratio.dtype), old.trace_ratio))
 
 
 def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,

@@ -83,6 +83,7 @@ from thor_optax._src.refresh import trace_rule
 ScalarOrSchedule = Union[float, optax.Schedule]
 Period = running_average.Period
 LayerDiagnostics = check_lib.LayerDiagnostics
+Diagnostics = check_lib.Diagnostics
 BlockRecord = check_lib.BlockRecord
 
 
@@ -127,6 +128,14 @@ class FactorDims:
 # target's.
 flax_serialization.register_serialization_state(
     FactorDims, lambda dims: {}, lambda target, state: target)
+# The diagnostics' three arrays by name; the layer names are the target's (structure).
+_DIAGNOSTICS_FIELDS = ("counts", "num_blocks", "trace_ratio")
+flax_serialization.register_serialization_state(
+    Diagnostics,
+    lambda d: {f: flax_serialization.to_state_dict(getattr(d, f)) for f in _DIAGNOSTICS_FIELDS},
+    lambda target, state: Diagnostics(target.names, *(
+        flax_serialization.from_state_dict(getattr(target, f), state[f])
+        for f in _DIAGNOSTICS_FIELDS)))
 
 
 class KroneckerState(NamedTuple):
@@ -147,7 +156,8 @@ class KroneckerState(NamedTuple):
       each with the stored factor when the accumulator keeps factors.
     accumulator: the factor accumulator's global state (``InversePeriodState(next_inverse)``
       for running averages, ``optax.EmptyState()`` for the current batch).
-    diagnostics: ``{layer path: LayerDiagnostics}`` for every Kronecker-factored layer.
+    diagnostics: :class:`Diagnostics`, read as ``{layer path: LayerDiagnostics}``, for every
+      Kronecker-factored layer.
     factor_dims: :class:`FactorDims`, static (no leaves): the factor dimensions of every
       Kronecker-factored layer, checked against the gradients' at every ``update``.
   """
@@ -156,7 +166,7 @@ class KroneckerState(NamedTuple):
   blocks: dict[str, dict[str, Any]]
   layers: dict[str, Any]
   accumulator: Any
-  diagnostics: dict[str, LayerDiagnostics]
+  diagnostics: Diagnostics
   factor_dims: Any = FactorDims(())
 
 
@@ -268,13 +278,9 @@ def init_state(layout: blocks.BlockLayout, dtype: jnp.dtype, cfg: Curvature) -> 
   side = {spec.name: _stacked(spec.kind.side_init(spec.one_layer(), dtype, cfg.method,
                                                   cfg.accumulator), spec.copies, spec.stack)
           for spec in layout.layers}
-  diagnostics = {
-      spec.name: LayerDiagnostics(
-          blocks_refreshed=jnp.zeros((), jnp.int32),
-          num_blocks=jnp.asarray(sum(s.num_blocks for s in spec.slots), jnp.int32),
-          total_refreshes=jnp.zeros((), jnp.int32), frozen_blocks=jnp.zeros((), jnp.int32),
-          trace_ratio=jnp.zeros((), dtype), rejected_blocks=jnp.zeros((), jnp.int32))
-      for spec in layout.layers if spec.g is not None}
+  diagnostics = check_lib.Diagnostics.zeros(
+      {spec.name: sum(s.num_blocks for s in spec.slots)
+       for spec in layout.layers if spec.g is not None}, dtype)
   return KroneckerState(count=jnp.zeros((), jnp.int32), blocks=stacks,
                         layers={k: v for k, v in side.items() if v is not None},
                         accumulator=cfg.accumulator.init_global(), diagnostics=diagnostics,
