@@ -33,6 +33,7 @@ import math
 import warnings
 from typing import Any, NamedTuple, Optional
 
+from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,16 +88,18 @@ class LayerDiagnostics(NamedTuple):
 _COUNTS = ("blocks_refreshed", "total_refreshes", "frozen_blocks", "rejected_blocks")
 
 
-@jax.tree_util.register_pytree_with_keys_class
+@struct.dataclass
 class Diagnostics(collections.abc.Mapping):
   """The per-layer record of a ``KroneckerState``, read as ``{layer path: LayerDiagnostics}``.
 
   Stored as three arrays over the layers, in ``names`` order, so that a check step writes
   them in a few kernels: one scalar leaf per layer and field was one kernel each for XLA to
-  compile (15 of the MNIST MLP's check step, 35 of a small ResNet's).
+  compile (15 of the MNIST MLP's check step, 35 of a small ResNet's). A ``flax.struct``
+  dataclass: a pytree (keys ``counts``, ``num_blocks``, ``trace_ratio``) that Flax's
+  serialization and orbax store like any other.
 
   Attributes:
-    names: the layer paths (static: the pytree's auxiliary data).
+    names: the layer paths (static: part of the pytree's structure).
     counts: ``(L, 4)`` int32: per layer ``blocks_refreshed``, ``total_refreshes``,
       ``frozen_blocks``, ``rejected_blocks`` (see :class:`LayerDiagnostics`).
     num_blocks: ``(L,)`` int32, each layer's number of factor blocks.
@@ -109,11 +112,10 @@ class Diagnostics(collections.abc.Mapping):
     KeyError: naming the layer and the layers there are, for a layer path not in ``names``.
   """
 
-  def __init__(self, names: tuple[str, ...], counts: Any, num_blocks: Any, trace_ratio: Any):
-    self.names = tuple(names)
-    self.counts = counts
-    self.num_blocks = num_blocks
-    self.trace_ratio = trace_ratio
+  names: tuple[str, ...] = struct.field(pytree_node=False)
+  counts: Any
+  num_blocks: Any
+  trace_ratio: Any
 
   @classmethod
   def zeros(cls, num_blocks: dict[str, int], dtype: jnp.dtype) -> "Diagnostics":
@@ -136,18 +138,6 @@ class Diagnostics(collections.abc.Mapping):
 
   def __len__(self) -> int:
     return len(self.names)
-
-  def __repr__(self) -> str:
-    return f"Diagnostics(names={self.names}, counts={self.counts!r}, " \
-           f"num_blocks={self.num_blocks!r}, trace_ratio={self.trace_ratio!r})"
-
-  def tree_flatten_with_keys(self):
-    keys = [jax.tree_util.GetAttrKey(k) for k in ("counts", "num_blocks", "trace_ratio")]
-    return list(zip(keys, (self.counts, self.num_blocks, self.trace_ratio))), self.names
-
-  @classmethod
-  def tree_unflatten(cls, names, children):
-    return cls(names, *children)
 
 
 class StackInputs(NamedTuple):

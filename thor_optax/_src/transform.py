@@ -128,14 +128,6 @@ class FactorDims:
 # target's.
 flax_serialization.register_serialization_state(
     FactorDims, lambda dims: {}, lambda target, state: target)
-# The diagnostics' three arrays by name; the layer names are the target's (structure).
-_DIAGNOSTICS_FIELDS = ("counts", "num_blocks", "trace_ratio")
-flax_serialization.register_serialization_state(
-    Diagnostics,
-    lambda d: {f: flax_serialization.to_state_dict(getattr(d, f)) for f in _DIAGNOSTICS_FIELDS},
-    lambda target, state: Diagnostics(target.names, *(
-        flax_serialization.from_state_dict(getattr(target, f), state[f])
-        for f in _DIAGNOSTICS_FIELDS)))
 
 
 class KroneckerState(NamedTuple):
