@@ -110,6 +110,8 @@ class Diagnostics(collections.abc.Mapping):
 
   Raises:
     KeyError: naming the layer and the layers there are, for a layer path not in ``names``.
+
+  Source: ours; the trace ratio is that of THOR's trace rule (Chen et al., AAAI 2021).
   """
 
   names: tuple[str, ...] = struct.field(pytree_node=False)
