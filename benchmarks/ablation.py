@@ -3,15 +3,15 @@
 THOR's paper differs from classic K-FAC (``thor_optax.kfac``: running-average factors, whole
 factors, every block inverted at every check, a check at every step) in four choices:
 current-batch factors, 128-blocks, the trace rule, and checks at a growing interval.
-``thor_optax.thor`` keeps the last three and averages each block across its refreshes (what
-this ablation found). Both aliases split the damping ``sqrt(lambda)`` per factor
-(``pi_damping=False``); the ``pi`` rows show what K-FAC's pi rule would change, unclipped and
-with ``pi`` clipped (``max_pi``). This script
-trains the MNIST models of ``benchmarks/mnist.py`` (same data, models, batches and evaluation)
+``thor_optax.thor`` keeps the last three, averages each block across its refreshes and takes
+Nesterov momentum instead of heavy-ball (what this ablation found). Both aliases split the
+damping ``sqrt(lambda)`` per factor (``pi_damping=False``); the ``pi`` rows show what K-FAC's
+pi rule would change, unclipped and with ``pi`` clipped (``max_pi``). This script trains the
+MNIST models of ``benchmarks/mnist.py`` (same data, models, batches and evaluation)
 with:
 
 * the *path* from ``kfac`` to THOR as in its paper (``+growing``) and on to ``thor``'s
-  defaults, each row changing one choice of the one above;
+  defaults (``+average``, then ``thor``), each row changing one choice of the one above;
 * *leave-one-out* rows: ``thor`` with one choice set back to K-FAC's;
 * SGD-momentum, Adam and Muon at their tuned rates, for the goals (THOR's steps at most
   kfac's and Muon's; its best accuracy within 0.2 points of the best first-order optimizer's).
@@ -26,7 +26,7 @@ not reached), the mean best and final test accuracy over the seeds (evaluated ev
 ``--eval-every`` steps) and the mean training seconds (on a quiet machine; contention inflates
 them, steps are unaffected).
 
-Run (2 tasks x 17 rows x 3 seeds; about 45 minutes on a 2-core CPU shared with other jobs)::
+Run (2 tasks x 18 rows x 3 seeds; about 45 minutes on a 2-core CPU shared with other jobs)::
 
   python3 benchmarks/ablation.py
   python3 benchmarks/ablation.py --tasks cnn --rows kfac thor --seeds 0 1 2 3 4
@@ -79,12 +79,15 @@ ROWS = (
         "block at every check, a check every step"),
     Row("+current", _kfac(ema_decay=None), 1, "current-batch factors (ema_decay=None)"),
     Row("+blocks", _kfac(ema_decay=None, block_size=128), 1, "and 128-blocks"),
-    Row("+trace", _thor(ema_decay=None), 1, "and THOR's trace rule (0.01, 0), checks every "
-        "step"),
-    Row("+growing", _thor(ema_decay=None), GROWING, "and the growing interval (5, 50, 200): "
-        "THOR as in its paper (thor_optax.thor(..., ema_decay=None))"),
-    Row("thor", _thor(), GROWING, "and a running average (0.95) across refreshes of each block "
-        "formed from fewer than 4 rows per dimension: thor_optax.thor's defaults, as in mnist.py"),
+    Row("+trace", _thor(ema_decay=None, nesterov=False), 1, "and THOR's trace rule (0.01, 0), "
+        "checks every step"),
+    Row("+growing", _thor(ema_decay=None, nesterov=False), GROWING, "and the growing interval "
+        "(5, 50, 200): THOR as in its paper (thor_optax.thor(..., ema_decay=None, "
+        "nesterov=False))"),
+    Row("+average", _thor(nesterov=False), GROWING, "and a running average (0.95) across "
+        "refreshes of each block formed from fewer than 4 rows per dimension"),
+    Row("thor", _thor(), GROWING, "and Nesterov momentum instead of heavy-ball: thor_optax.thor's "
+        "defaults, as in mnist.py"),
     # Leave one out: thor with one choice set back to K-FAC's.
     Row("thor-all", _thor(ema_rows_ratio=None), GROWING, "thor averaging every block, also "
         "those formed from many rows (K-FAC's running average)"),

@@ -37,20 +37,21 @@ Setup:
   from the training text by ``np.random.default_rng(seed)``, the same for every optimizer;
   validation: ``--val-windows`` windows evenly spaced over the validation text, the same at
   every evaluation;
-* optimizers: ``thor`` (``thor_optax.thor``: 128-blocks, trace rule, each block averaged
-  across its refreshes, checks at ``growing_interval(2, 20, 200)``), ``thor-paper`` (the same
-  with the paper's current-batch factors, ``ema_decay=None``), ``kfac-expand`` and ``kfac-reduce``
-  (``thor_optax.kfac``: whole factors, running averages, a check every 10 steps; their
-  statistics captured with ``value_and_grad_with_stats(..., weight_sharing='expand' /
+* optimizers: ``thor`` (``thor_optax.thor``: 128-blocks, trace rule, the blocks formed from fewer
+  than 4 rows per dimension averaged across their refreshes, Nesterov momentum, checks at
+  ``growing_interval(2, 20, 200)``), ``thor-paper`` (the same with the paper's current-batch
+  factors and heavy-ball momentum, ``ema_decay=None, nesterov=False``), ``kfac-expand`` and
+  ``kfac-reduce`` (``thor_optax.kfac``: whole factors, running averages, a check every 10 steps;
+  their statistics captured with ``value_and_grad_with_stats(..., weight_sharing='expand' /
   'reduce')``, K-FAC-expand and K-FAC-reduce of Eschenhagen et al. 2023), ``adamw``
   (``optax.adamw``, its default weight decay 1e-4) and ``muon`` (``optax.contrib.muon``: Muon on
-  the matrices of the scanned blocks -- the attention projections with their head axes as
-  matrix axes, the MLP kernels -- with the stack axis as a batch axis; AdamW at AdamW's
-  learning rate on the embeddings, the head, the biases and the LayerNorms, as Muon is meant to
-  be used). Every learning rate follows the same schedule: linear warm-up from 0 over the first
-  5% of the steps, then cosine decay to 10% of the peak at the last step. The second-order
-  optimizers precondition only the layers the capture takes (``precondition_mask=
-  captured_mask(stats)``); the others take their momentum-SGD steps unpreconditioned;
+  the matrices of the scanned blocks -- the attention projections with their head axes as matrix
+  axes, the MLP kernels -- with the stack axis as a batch axis; AdamW at AdamW's learning rate on
+  the embeddings, the head, the biases and the LayerNorms, as Muon is meant to be used). Every
+  learning rate follows the same schedule: linear warm-up from 0 over the first 5% of the steps,
+  then cosine decay to 10% of the peak at the last step. The second-order optimizers precondition
+  only the layers the capture takes (``precondition_mask=captured_mask(stats)``); the others take
+  their momentum-SGD steps unpreconditioned;
 * the second-order optimizers use two jitted steps like ``benchmarks/mnist.py``: a *check step*
   (``value_and_grad_with_stats`` and ``tx.update(..., curvature_stats=stats)``) and a *plain
   step* (``jax.value_and_grad`` and ``tx.update`` with the stored inverses); a host-side
@@ -157,8 +158,10 @@ PACKAGES = ("asyncio", "collections", "concurrent", "email", "html", "http", "im
             "logging", "multiprocessing", "urllib", "wsgiref", "xml")
 VALIDATION_MODULUS = 10  # a file is in the validation split if sha256(path) % 10 == 0
 
-# thor-paper: THOR as in its paper, current-batch factors (thor_optax.thor(..., ema_decay=None)),
-# at thor's settings: the LM row of the ablation's last choice (benchmarks/ablation.py).
+# thor-paper: THOR as in its paper, current-batch factors and heavy-ball momentum
+# (thor_optax.thor(..., ema_decay=None, nesterov=False)), at thor's settings: the LM rows of the
+# ablation's last two choices (benchmarks/ablation.py; thor's default ema_rows_ratio averages
+# no dense block here, only the embedding's diagonal and the LayerNorms' 2x2 blocks).
 SECOND_ORDER = ("thor", "thor-paper", "kfac-expand", "kfac-reduce")
 OPTIMIZERS = SECOND_ORDER + ("adamw", "muon")
 # The capture's weight-sharing option of each second-order optimizer (None: the default).
@@ -410,7 +413,7 @@ def make_optimizer(cfg: Config, num_steps: int, precondition_mask: Any = None
   """
   lr = lr_schedule(cfg.learning_rate, num_steps)
   if cfg.optimizer in ("thor", "thor-paper"):
-    extra = dict(ema_decay=None) if cfg.optimizer == "thor-paper" else {}
+    extra = dict(ema_decay=None, nesterov=False) if cfg.optimizer == "thor-paper" else {}
     tx = thor_optax.thor(lr, cfg.damping, block_size=cfg.thor_block_size,
                          precondition_mask=precondition_mask, **extra)
     return tx, options.check_schedule(cfg.checks)

@@ -334,6 +334,10 @@ def test_compiled_step_drops_the_kernel_gradients_it_does_not_read():
   # Kept kernel-gradient GEMMs would add `gemms` (3.4 M FLOPs) to `extra` (2.6 M).
   assert extra < rows - baseline < extra + 0.3 * gemms
   assert rows < 0.4 * block
-  # The alias's guard judges these layers by their rows, so it keeps no GEMM alive either
-  # (momentum and the finiteness checks cost about 9 FLOPs per parameter, a GEMM 2 N = 32).
-  assert flops(thor_optax.thor(0.1, 0.05, block_size=64), True) - rows < 0.5 * gemms
+  # The alias's guard judges these layers by their rows, so it keeps no GEMM alive either: its
+  # first-order tail and guard (Nesterov momentum and the finiteness checks, about 20 FLOPs per
+  # parameter) cost what they cost on the block form, which reads the kernel gradients anyway;
+  # a kept GEMM of either large layer would add at least 0.42 `gemms` (1.45 M FLOPs).
+  alias = thor_optax.thor(0.1, 0.05, block_size=64)
+  tail = flops(alias, False) - block
+  assert flops(alias, True) - rows < tail + 0.25 * gemms

@@ -54,17 +54,19 @@ def test_chain_equals_manual_composition(setup):
   natural, _ = pre.update(grads, pre.init(params), params, curvature_stats=stats)
   expected = jax.tree_util.tree_map(lambda n, p: -0.3 * (n + 1e-2 * p), natural, params)
   _tree_allclose(updates, expected, rtol=1e-5, atol=1e-7)
-  # The alias is the same chain without its KL clip and damping floor ...
+  # The alias with heavy-ball momentum is the same chain without its KL clip and damping
+  # floor ...
   alias = thor_optax.thor(0.3, 0.05, weight_decay=1e-2, block_size=4, max_kl=None,
-                          min_relative_damping=0.0)
+                          min_relative_damping=0.0, nesterov=False)
   a_updates, _ = alias.update(grads, alias.init(params), params, curvature_stats=stats)
   _tree_allclose(a_updates, expected, rtol=1e-5, atol=1e-7)
-  # ... and with them (its defaults), the chain around the clipped, floored preconditioner.
+  # ... and with its defaults, the chain around the clipped, floored preconditioner, with
+  # Nesterov momentum: from a zero trace its first step is (1 + 0.9) times the heavy-ball one.
   pre = thor_optax.scale_by_kl_clip(
       thor_optax.scale_by_thor(0.05, block_size=4, min_relative_damping=0.1), 0.3, 1e-2)
   natural, pre_state = pre.update(grads, pre.init(params), params, curvature_stats=stats)
   assert float(pre_state.scale) < 1.0  # the clip binds at this learning rate
-  expected = jax.tree_util.tree_map(lambda n, p: -0.3 * (n + 1e-2 * p), natural, params)
+  expected = jax.tree_util.tree_map(lambda n, p: -0.3 * 1.9 * (n + 1e-2 * p), natural, params)
   alias = thor_optax.thor(0.3, 0.05, weight_decay=1e-2, block_size=4)
   a_updates, _ = alias.update(grads, alias.init(params), params, curvature_stats=stats)
   _tree_allclose(a_updates, expected, rtol=1e-5, atol=1e-7)
@@ -76,7 +78,8 @@ def test_inject_hyperparams_changes_lr_and_damping_without_recompiling(setup):
     optax.inject_hyperparams(thor_optax.thor)(learning_rate=0.1).init(params)
   tx = optax.inject_hyperparams(thor_optax.thor,
                                 static_args=("block_size", "ema_decay", "ema_rows_ratio"))(
-      learning_rate=0.1, damping=0.05, max_kl=None, min_relative_damping=0.0, ema_decay=None)
+      learning_rate=0.1, damping=0.05, max_kl=None, min_relative_damping=0.0, ema_decay=None,
+      nesterov=False)
   state = tx.init(params)
   traces = []
 
@@ -91,7 +94,8 @@ def test_inject_hyperparams_changes_lr_and_damping_without_recompiling(setup):
   state.hyperparams["damping"] = jnp.asarray(5.0, dtype)
   u2, state = step(state)
   assert len(traces) == 1
-  # Momentum SGD: the second update is -lr_2 (P_2 g + 0.9 P_1 g), with P_1 g = -u1 / lr_1.
+  # Heavy-ball momentum: the second update is -lr_2 (P_2 g + 0.9 P_1 g), with
+  # P_1 g = -u1 / lr_1.
   natural2, _ = thor_optax.scale_by_thor(5.0).update(
       grads, thor_optax.scale_by_thor(5.0).init(params), params, curvature_stats=stats)
   expected = jax.tree_util.tree_map(lambda n, a: -0.2 * (n - 0.9 * a / 0.1), natural2, u1)
