@@ -182,7 +182,9 @@ def main(argv=None) -> None:
   p.add_argument("--damping", type=float, default=None,
                  help="the second-order rows' damping (default: the task's tuned THOR damping)")
   p.add_argument("--out", default=None, help="write the records as JSON")
+  options.add_lapack_threads_option(p)
   args = p.parse_args(argv)
+  options.apply_lapack_threads(args)
 
   train_set, test_set = mnist.load_mnist()
   rows = [row for row in ROWS if row.name in args.rows]

@@ -70,6 +70,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mnist  # noqa: E402  (the benchmark's models, data and loss)
+import options  # noqa: E402  (benchmarks/options.py, beside this script)
 from timing import interleaved_ms, median_ms  # noqa: E402
 import thor_optax  # noqa: E402
 from thor_optax.flax import value_and_grad_with_stats  # noqa: E402
@@ -306,7 +307,9 @@ def main(argv=None) -> None:
   parser.add_argument("--rounds", type=int, default=3, help="rounds of --compare")
   parser.add_argument("--json", action="store_true",
                       help="print table 3 as one JSON line (used by --compare)")
+  options.add_lapack_threads_option(parser)
   args = parser.parse_args(argv)
+  options.apply_lapack_threads(args)
   if args.compare:
     compare(args)
     return

@@ -867,6 +867,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   options.add_optimizer_options(
       p, OPTIMIZERS, SECOND_ORDER, lambda name: DEFAULT_LEARNING_RATE[name], lambda name: DEFAULT_DAMPING[name], "thor=1,20,300 kfac-expand=1", DEFAULT_CHECKS,
       "the validation split", "--steps")
+  options.add_lapack_threads_option(p)
   args = p.parse_args(argv)
   args.checks = options.parse_checks(p, args.checks, DEFAULT_CHECKS, SECOND_ORDER)
   return args
@@ -875,6 +876,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
   """Runs the benchmark (or ``--tune``) and prints the tables."""
   args = parse_args(argv)
+  options.apply_lapack_threads(args)
   corpus = load_corpus()
   model = CharTransformer(vocab_size=len(corpus.vocab), width=args.width, num_heads=args.heads,
                           num_layers=args.layers, context=args.context)

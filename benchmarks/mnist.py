@@ -809,6 +809,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   options.add_optimizer_options(
       p, OPTIMIZERS, SECOND_ORDER, lambda name: "the tuned one of each task", lambda name: "the tuned one of each task", "thor=1,20,200 kfac=10", DEFAULT_CHECKS,
       "a validation split", "half of each task's default steps")
+  options.add_lapack_threads_option(p)
   args = p.parse_args(argv)
   if args.all:
     args.tasks, args.optimizers = list(TASKS), list(OPTIMIZERS)
@@ -818,6 +819,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
   args = parse_args(argv)
+  options.apply_lapack_threads(args)
   train_set, test_set = load_mnist()
   if args.tune:
     tune(args, train_set)

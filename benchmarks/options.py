@@ -1,4 +1,5 @@
-"""Command-line options and check schedules shared by ``mnist.py`` and ``lm.py``."""
+"""Command-line options and check schedules shared by the benchmarks (``mnist.py``, ``lm.py``,
+``check_step.py``, ``ablation.py``, ``robustness.py``, ``public_models.py``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,20 @@ def check_schedule(checks: Checks, min_interval: int = 1) -> thor_optax.CheckSch
   if isinstance(checks, int):
     return thor_optax.CheckSchedule(checks, min_interval)
   return thor_optax.CheckSchedule(thor_optax.growing_interval(*checks), min_interval)
+
+
+def add_lapack_threads_option(p: argparse.ArgumentParser) -> None:
+  """``--lapack-threads``: threads of the LAPACK library jaxlib calls on CPU."""
+  p.add_argument("--lapack-threads", type=int, default=1,
+                 help="threads of the LAPACK library jaxlib calls on CPU "
+                      "(thor_optax.limit_lapack_threads; its idle workers otherwise spin on the "
+                      "cores the next steps need); 0 leaves it as it is (default: %(default)s)")
+
+
+def apply_lapack_threads(args: argparse.Namespace) -> None:
+  """Applies ``--lapack-threads`` for the rest of the process (0: nothing)."""
+  if args.lapack_threads:
+    thor_optax.limit_lapack_threads(args.lapack_threads)
 
 
 def add_optimizer_options(p: argparse.ArgumentParser, optimizers: tuple[str, ...],

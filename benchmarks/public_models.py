@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.join(_ROOT, "tests"))
 
 import public_models as pm  # noqa: E402  (the model definitions)
 from timing import median_ms  # noqa: E402
+import options  # noqa: E402  (benchmarks/options.py, beside this script)
 import thor_optax  # noqa: E402
 
 DAMPING = 0.03
@@ -120,7 +121,9 @@ def main(argv=None) -> None:
   parser.add_argument("--models", nargs="+", default=list(pm.LINEN_MODELS),
                       choices=list(pm.LINEN_MODELS))
   parser.add_argument("--repeats", type=int, default=20)
+  options.add_lapack_threads_option(parser)
   args = parser.parse_args(argv)
+  options.apply_lapack_threads(args)
 
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} CPU cores; "
         f"thor_optax.thor(lr, {DAMPING}), median ms of {args.repeats} steps, compile s")

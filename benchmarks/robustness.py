@@ -115,7 +115,9 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=300, help="(default: %(default)s)")
   p.add_argument("--learning-rates", type=float, nargs="+", default=[0.003, 0.01, 0.03, 0.1, 0.3])
   p.add_argument("--dampings", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2, 1e-1])
+  options.add_lapack_threads_option(p)
   args = p.parse_args(argv)
+  options.apply_lapack_threads(args)
 
   train_set, _ = mnist.load_mnist()
   data = mnist.Split(train_set.x[:args.digits], train_set.y[:args.digits])

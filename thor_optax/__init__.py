@@ -17,6 +17,8 @@ Public API (import from here, ``thor_optax.flax`` or ``thor_optax.nnx``; never f
   or block stacks sharded: KAISA's COMM-OPT / MEM-OPT / HYBRID-OPT).
 * ``concatenate_stats``: the statistics of a batch from those of its micro-batches (gradient
   accumulation with ``optax.MultiSteps``).
+* ``limit_lapack_threads``: on CPU, one thread for the LAPACK library jaxlib calls, so that its
+  idle workers do not spin on the cores the next steps need (``threadpoolctl``).
 * ``thor_learning_rate_schedule``, ``thor_damping_schedule``: the paper's schedule shapes.
 * ``CheckSchedule``, ``growing_interval``, ``curvature_budget``: which steps are check steps.
 * ``captured_layers``, ``CapturedLayers``: the ``layers=`` of the preconditioners and aliases,
@@ -60,6 +62,7 @@ from thor_optax._src.layers.base import LayerKind
 from thor_optax._src.micro_batches import concatenate_stats
 from thor_optax._src.kl_clip import scale_by_kl_clip
 from thor_optax._src.finite import skip_not_finite
+from thor_optax._src.lapack_threads import limit_lapack_threads
 from thor_optax._src.stats import DenseGeneralStats
 from thor_optax._src.stats import DenseStats
 from thor_optax._src.stats import EinsumStats
@@ -105,6 +108,7 @@ __all__ = (
     "scale_by_thor",
     "skfac",
     "skip_not_finite",
+    "limit_lapack_threads",
     "spngd",
     "thor",
     "thor_damping_schedule",
