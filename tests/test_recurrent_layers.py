@@ -25,8 +25,15 @@ import thor_optax.nnx
 
 import reference
 
-jax.config.update("jax_enable_x64", True)
 pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _float64():
+  """float64 for this module's tests only (a ``jax.config.update`` at import leaked into every test
+  collected after it, in the whole run)."""
+  with jax.enable_x64(True):
+    yield
 
 N, T, F, H, K = 5, 6, 2, 4, 3
 
