@@ -183,9 +183,14 @@ def compare(args) -> None:
     for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
       env = dict(os.environ, PYTHONPATH=os.pathsep.join(
           [versions[name]] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+      if args.lapack_threads:
+        # The same limit for both versions, as OpenBLAS's environment variable: an older
+        # version of the package has no limit_lapack_threads.
+        env["OPENBLAS_NUM_THREADS"] = str(args.lapack_threads)
       cmd = [sys.executable, os.path.abspath(__file__), "--tables", "steps", "--json",
              "--tasks", *args.tasks, "--block-size", str(args.block_size),
-             "--batch-size", str(args.batch_size), "--repeats", str(args.repeats)]
+             "--batch-size", str(args.batch_size), "--repeats", str(args.repeats),
+             "--lapack-threads", "0"]
       out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
       runs[name].append(json.loads(out.strip().splitlines()[-1]))
   print(f"training steps, new ({versions['new']}) vs old ({versions['old']}): median of "
