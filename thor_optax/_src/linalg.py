@@ -69,9 +69,16 @@ def lapack_safe(fn: Callable[[jax.Array], Any], stack: jax.Array) -> Any:
 
 
 def _batched_cholesky_inverse(matrices: jax.Array) -> jax.Array:
-  chol = jnp.linalg.cholesky(matrices)
+  """``L^-1`` of the Cholesky factors ``L`` of SPD ``matrices (K, b, b)``.
+
+  The factorization reads the lower triangle only (``symmetrize_input=False``: the blocks are
+  symmetric up to rounding, and ``(M + M^T) / 2`` costs a transposing copy per block), and
+  ``L^-1`` solves ``X L = I`` from the right: on CPU (OpenBLAS ``strsm``, 128-blocks) that
+  solve took 61 us a block against 109 us for ``L X = I`` from the left.
+  """
+  chol = jax.lax.linalg.cholesky(matrices, symmetrize_input=False)
   eye = jnp.broadcast_to(jnp.eye(matrices.shape[-1], dtype=matrices.dtype), matrices.shape)
-  return jax.lax.linalg.triangular_solve(chol, eye, left_side=True, lower=True)
+  return jax.lax.linalg.triangular_solve(chol, eye, left_side=False, lower=True)
 
 
 def cholesky_inverse(matrices: jax.Array) -> jax.Array:
