@@ -25,9 +25,10 @@ Three tables per model (the MLP and the CNN of ``benchmarks/mnist.py``, real MNI
    ResNet-50); this table is that measurement on the machine that runs it.
 
 3. **Training steps and their compile times** (public API only): an optax SGD-momentum step, and
-   THOR's plain step (from the gradient, and from the rows with ``gradient_stats=``) and check
-   step (``thor_optax.thor``, block size ``--block-size``, a check that refreshes every block),
-   each the jitted step of ``benchmarks/mnist.py``; compile time is
+   THOR's plain step and check step (``thor_optax.thor``, block size ``--block-size``, a check
+   that refreshes every block), each from the gradient and from the rows (``gradient_stats=``,
+   on the check step along with ``curvature_stats=``), each the jitted step of
+   ``benchmarks/mnist.py``; compile time is
    ``jit(...).lower(...).compile()`` of each step function, median ms of the steps after it.
    With ``--compare PATH`` (a checkout of another version of the package, e.g. a
    ``git worktree`` of an older commit) this table is measured for both versions in one run:
@@ -163,12 +164,13 @@ def steps_table(setup: Setup, block_size: int) -> dict[str, float]:
   """Table 3: SGD, THOR plain and THOR check steps (every block refreshed), ms and compile s."""
   out = {}
   thor = thor_optax.thor(0.05, DAMPING, block_size=block_size)
+  every_block = thor_optax.thor(0.05, DAMPING, block_size=block_size, trace_thresholds=(0.0, 0.0))
   for name, tx, with_stats, sample_space in (
       ("sgd", optax.sgd(0.05, momentum=0.9), False, False),
       ("thor plain (gradient)", thor, False, False),
       ("thor plain (rows)", thor, False, True),
-      ("thor check", thor_optax.thor(0.05, DAMPING, block_size=block_size,
-                                     trace_thresholds=(0.0, 0.0)), True, True)):
+      ("thor check (gradient)", every_block, True, False),
+      ("thor check (rows)", every_block, True, True)):
     out[f"{name} compile s"], out[f"{name} ms"] = setup.compile_and_run(tx, with_stats,
                                                                          sample_space)
   return out

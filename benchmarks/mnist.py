@@ -367,8 +367,9 @@ def make_steps(model: nn.Module, tx: optax.GradientTransformation,
   updated by the training-mode forward pass, as in any Flax loop.
 
   * ``check_step`` captures every layer's curvature statistics along with the gradients and
-    passes them to ``tx.update``: the refresh policy runs and the factor blocks due are
-    refreshed.
+    passes them to ``tx.update`` as ``curvature_stats=``: the refresh policy runs and the
+    factor blocks due are refreshed. With ``sample_space`` they go in as ``gradient_stats=``
+    too, and the update is preconditioned from the rows with the refreshed inverses.
   * ``plain_step`` preconditions with the stored inverses. With ``sample_space`` (the
     second-order optimizers) it captures the statistics too and passes them as
     ``gradient_stats=``, so layers with fewer rows than block dimensions are preconditioned
@@ -385,13 +386,15 @@ def make_steps(model: nn.Module, tx: optax.GradientTransformation,
     params, state, mutable = split(variables)
     out = with_stats(params, x, y, model_state=state, mutable=mutable, train=True)
     (loss, grads), stats = out[:2]
-    updates, opt_state = tx.update(grads, opt_state, params, **{stats_as: stats})
+    updates, opt_state = tx.update(grads, opt_state, params, **dict.fromkeys(stats_as, stats))
     new_state = out[2] if mutable else {}
     return {"params": optax.apply_updates(params, updates), **new_state}, opt_state, loss
 
-  check_step = jax.jit(functools.partial(captured_step, stats_as="curvature_stats"))
   if sample_space:
-    return check_step, jax.jit(functools.partial(captured_step, stats_as="gradient_stats"))
+    return (jax.jit(functools.partial(captured_step,
+                                      stats_as=("curvature_stats", "gradient_stats"))),
+            jax.jit(functools.partial(captured_step, stats_as=("gradient_stats",))))
+  check_step = jax.jit(functools.partial(captured_step, stats_as=("curvature_stats",)))
 
   @jax.jit
   def plain_step(variables, opt_state, x, y):

@@ -180,8 +180,9 @@ def thor(
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` to ``update`` on
-    check steps, and optionally ``gradient_stats=`` on plain steps (dense layers narrower in
-    rows than in dimensions are then preconditioned from their rows; :func:`scale_by_thor`).
+    check steps, and optionally ``gradient_stats=`` on every step whose statistics are those of
+    the gradient's batch (dense layers narrower in rows than in dimensions are then
+    preconditioned from their rows; :func:`scale_by_thor`).
 
   Raises:
     ValueError: as :func:`scale_by_thor`, or for a Python-number learning rate, damping,
@@ -293,7 +294,7 @@ def skfac(
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` on check steps,
-    and optionally ``gradient_stats=`` on plain steps (see :func:`thor`).
+    and optionally ``gradient_stats=`` on every step (see :func:`thor`).
 
   Raises:
     ValueError: as :func:`scale_by_kfac`.

@@ -47,7 +47,8 @@ class TrainState(train_state.TrainState):
       curvature_stats: the statistics of this step's batch (``value_and_grad_with_stats``) on a
         check step, passed to ``tx.update`` as ``curvature_stats=``; ``None`` on a
         plain step.
-      gradient_stats: on a plain step, optionally the statistics of its batch, passed as
+      gradient_stats: optionally, on a check or a plain step, the statistics of the batch the
+        gradient comes from (on a check step usually ``curvature_stats`` again), passed as
         ``gradient_stats=``: layers narrower in rows than in block dimensions are then
         preconditioned in sample space (cheaper; the same update).
       **kwargs: further fields to ``replace`` (as Flax's ``apply_gradients``).
