@@ -332,7 +332,9 @@ def test_normalization_layers_get_unit_wise_natural_gradient():
   # Non-finite statistics keep the previous inverse.
   bad = thor_optax.CurvatureStats(layers={**stats.layers, "BatchNorm_0": thor_optax.NormStats(
       scale_grads=bn.scale_grads.at[0, 0, 1].set(jnp.nan), bias_grads=bn.bias_grads)})
-  _, state2 = _check(tx, params, grads, bad, state)
+  bad_updates, state2 = _check(tx, params, grads, bad, state)
+  # A normalization layer's statistics are judged too: the update is NaN, for the guard.
+  assert all(bool(jnp.all(jnp.isnan(u))) for u in jax.tree.leaves(bad_updates))
   np.testing.assert_array_equal(state2.layers["BatchNorm_0"].inverse[1], state.layers["BatchNorm_0"].inverse[1])
   assert np.abs(state2.layers["BatchNorm_0"].inverse[0] - state.layers["BatchNorm_0"].inverse[0]).max() == 0
 

@@ -130,8 +130,12 @@ def test_non_finite_statistics_leave_state_finite_and_inverses_unchanged(setup, 
   poisoned_layer = thor_optax.DenseStats(inputs=layer.inputs.at[3, 2].set(bad),
                                          cotangents=layer.cotangents)
   poisoned = thor_optax.CurvatureStats(layers={**stats.layers, "Dense_0": poisoned_layer})
-  _, after = update(state, poisoned)
+  updates, after = update(state, poisoned)
   assert _all_finite(after)
+  # The update says so (NaN everywhere), for a guard to skip the step without reading the
+  # statistics again; the same statistics made finite give a finite update.
+  assert all(bool(jnp.all(jnp.isnan(u))) for u in jax.tree.leaves(updates))
+  assert _all_finite(update(state, stats)[0])
   # Dense_0's blocks are kept, Dense_1's are refreshed again (thresholds 0).
   assert int(after.diagnostics["Dense_0"].blocks_refreshed) == 0
   assert int(after.diagnostics["Dense_1"].blocks_refreshed) > 0

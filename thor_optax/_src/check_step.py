@@ -41,6 +41,7 @@ import numpy as np
 from thor_optax._src import blocks
 from thor_optax._src import damping as damping_lib
 from thor_optax._src import explicit
+from thor_optax._src import finite as finite_lib
 from thor_optax._src import layers as layers_lib
 from thor_optax._src import replicas
 from thor_optax._src import stats as stats_lib
@@ -162,9 +163,14 @@ class StackInputs(NamedTuple):
 
 
 def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam: jax.Array,
-               cfg: Any, masked: frozenset[str] = frozenset()) -> Any:
+               cfg: Any, masked: frozenset[str] = frozenset()) -> tuple[Any, jax.Array]:
   """One check step on a ``KroneckerState``: refresh the blocks due, side curvature and
-  diagnostics (``lam``: ``lambda`` at this step; ``masked``: modules ``optax.masked`` hid)."""
+  diagnostics (``lam``: ``lambda`` at this step; ``masked``: modules ``optax.masked`` hid).
+
+  Returns ``(new state, finite)``: ``finite``, a bool scalar, says whether the statistics the
+  step read are finite: every layer's factor traces (sums of squares of all its rows: finite
+  exactly when the rows are, or overflowing) and the side curvature's statistics. Blocks and
+  side curvature with non-finite statistics keep what they had either way."""
   replicas.check_axis(cfg.axis_name)
   dtype = state_dtype(state)
   layout = as_captured(layout, stats_lib.flatten_layer_stats(curvature_stats))
@@ -183,19 +189,25 @@ def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam
   for group in layout.groups:
     new_blocks[group], refreshed[group], ratio[group] = refresh_stack(
         group, state.blocks[group], inputs[group], layout, cfg, invert_now, state.count)
-  side = {}
+  side, side_only = {}, []
   for spec in layout.layers:
     if spec.name in state.layers and spec.name in flat:
       side_inputs = factors[spec.name] if spec.name in factors else replicas.mean(
           side_statistics(spec, flat[spec.name], dtype), cfg.axis_name)
+      if spec.name not in factors:
+        side_only.append(side_inputs)
       side[spec.name] = side_refresh(spec, flat[spec.name], state.layers[spec.name],
                                      side_inputs, lam, cfg)
+  finite = finite_lib.all_finite(side_only)
+  for f in factors.values():
+    finite = finite & jnp.all(f.finite)
   diagnostics = layer_diagnostics(
       [spec for spec in layout.layers if spec.name in factors], state.diagnostics, new_blocks,
       refreshed, ratio, {g: i.valid for g, i in inputs.items()}, cfg.policy)
   return state._replace(
       blocks=new_blocks, layers={**state.layers, **side}, diagnostics=diagnostics,
-      accumulator=cfg.accumulator.update_global(state.accumulator, invert_now, state.count))
+      accumulator=cfg.accumulator.update_global(state.accumulator, invert_now, state.count)
+  ), finite
 
 
 def as_captured(layout: blocks.BlockLayout, flat: dict[str, Any]) -> blocks.BlockLayout:

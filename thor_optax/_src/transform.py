@@ -349,14 +349,18 @@ def _masked_modules(updates: Any) -> frozenset[str]:
                    if isinstance(leaf, optax.MaskedNode))
 
 
+def _nan_unless(ok: jax.Array, updates: Any) -> Any:
+  """``updates`` if ``ok``, else NaN updates, so that the aliases' non-finite guard skips and
+  counts the step."""
+  return jax.tree.map(lambda u: jnp.where(ok, u, jnp.full_like(u, jnp.nan)), updates)
+
+
 def _reject_step(ok: jax.Array, updates: Any, state: KroneckerState,
                  given: KroneckerState) -> tuple[Any, KroneckerState]:
-  """Unless ``ok`` (a damping from a schedule that is finite and positive): NaN updates, so
-  that the aliases' non-finite guard skips and counts the step, and the curvature state as it
-  was given (nothing refreshed)."""
-  updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.full_like(u, jnp.nan)), updates)
+  """Unless ``ok`` (a damping from a schedule that is finite and positive): NaN updates and the
+  curvature state as it was given (nothing refreshed)."""
   state = jax.tree.map(lambda new, old: jax.lax.select(ok, new, old), state, given)
-  return updates, state
+  return _nan_unless(ok, updates), state
 
 
 def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtraArgs:
@@ -381,9 +385,10 @@ def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtr
     # need not fall on shard boundaries) and returned laid out as it came.
     state = jax.tree.map(explicit.replicate, state)
     lam = cfg.lam(state.count)
+    stats_finite = None
     if curvature_stats is not None:
-      state = check_lib.check_step(state, layout, curvature_stats, lam, cfg,
-                                   _masked_modules(updates))
+      state, stats_finite = check_lib.check_step(state, layout, curvature_stats, lam, cfg,
+                                                 _masked_modules(updates))
     rows, num_loss_terms = None, 1
     if gradient_stats is not None:
       layout, rows = sample_space.layers_with_rows(gradient_stats, layout, cfg,
@@ -395,6 +400,10 @@ def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtr
     state = jax.tree.map(explicit.reshard_like, state, given)
     if not isinstance(lam, (int, float)):  # a schedule's or a traced value: checked here
       updates, state = _reject_step(jnp.isfinite(lam) & (lam > 0), updates, state, given)
+    if stats_finite is not None:
+      # Statistics that are not finite refreshed nothing (their blocks kept their inverses);
+      # the update says so, so that a guard skips the step without reading them again.
+      updates = _nan_unless(stats_finite, updates)
     return updates, state._replace(count=optax.safe_int32_increment(state.count))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -452,6 +461,12 @@ def scale_by_thor(
   curvature_stats=stats, gradient_stats=stats)``: it refreshes the blocks due from
   ``curvature_stats``, then preconditions from the rows with the refreshed inverses (the MNIST
   MLP's check step, batch 128: 11.7 ms against 14.4, ``benchmarks/check_step.py``).
+
+  A check step whose statistics are not finite (a layer's factor rows, a normalization layer's
+  per-example gradients) refreshes nothing from them and returns NaN updates, as does a step
+  whose damping from a schedule is not finite and positive: the aliases' guard
+  (:func:`thor_optax.skip_not_finite`) then skips and counts the step; used alone, wrap this
+  transform in it or in ``optax.apply_if_finite``.
 
   Args:
     damping: ``lambda``, a positive float or a schedule of the step count; ``sqrt(lambda)`` is
