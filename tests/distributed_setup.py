@@ -1,8 +1,10 @@
 """A small conv + MLP problem trained a few THOR steps on a device mesh, in-process or as one of
 several ``jax.distributed`` processes (``python3 distributed_setup.py PROCESS_ID PORT OUT``).
 
-Layout with 16-blocks: the ``b16`` group holds 16 blocks (conv ``A``: 2, ``Dense_0``: 10 + 2,
-``Dense_1`` ``A``: 2), so it shards evenly over 1, 2, 4 or 8 devices.
+Layout with 16-blocks: the ``b16`` group holds 16 blocks (conv ``A``: 2, ``Dense_0``: 7 + 2,
+``Dense_1`` ``A``: 3, and the two 3-dimensional ``G`` of the conv and ``Dense_1``, each padded to
+a block of 16: two small factors next to 14 full blocks), so it shards evenly over 1, 2, 4 or 8
+devices.
 """
 
 import sys
@@ -25,8 +27,8 @@ class Net(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    x = nn.relu(nn.Conv(4, (3, 3))(x))
-    x = nn.relu(nn.Dense(31)(x.reshape(x.shape[0], -1)))
+    x = nn.relu(nn.Conv(3, (3, 3))(x))
+    x = nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1)))
     return nn.Dense(3)(x)
 
 

@@ -293,3 +293,57 @@ def test_block_helpers_against_dense_inverse():
   np.testing.assert_allclose(left, M_inv @ x, rtol=RTOL, atol=1e-13)
   np.testing.assert_allclose(right, z @ M_inv, rtol=RTOL, atol=1e-13)
   assert left.shape == (dim, m) and right.shape == (m, dim)
+
+
+class WithSmallOutput(nn.Module):
+  """10 -> 20 -> 3: at block size 8, factors of 11, 20 and 21 dimensions (8 full blocks) and
+  one of 3, the output layer's ``G``."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3, name="Dense_1")(jnp.tanh(nn.Dense(20, name="Dense_0")(x)))
+
+
+def test_a_small_factor_padded_into_the_full_block_stack_is_exact():
+  """A factor smaller than the block size, next to enough full blocks, is one identity-padded
+  block of the full size, in the same stack (one inversion in the compiled steps): the update
+  is still the dense block-diagonal formula, and its stored inverse the damped ``3 x 3``
+  inverse with identity on the padding."""
+  b = 8
+  model = WithSmallOutput()
+  x = jnp.asarray(randn(7, (9, 10)))
+  y = jnp.asarray([0, 1, 2, 0, 1, 2, 2, 1, 0])
+  params = init_params(model, x, seed=7)
+  layout = blocks.build_layout(params, b)
+  assert layout.groups == {"b8": (8, 9)}
+  small = layout.layer("Dense_1").g
+  assert (small.dim, small.block, small.num_blocks) == (3, 8, 1)
+  (_, grads), stats = reference.capture(model, softmax_ce)(params, x, y)
+  tx = thor_optax.scale_by_thor(LAM, block_size=b, trace_thresholds=(0.0, 0.0),
+                                refresh_buckets=1)
+  updates, state = jax.jit(lambda g, s, c: tx.update(g, s, None, curvature_stats=c))(
+      grads, jax.jit(tx.init)(params), stats)
+  d = np.sqrt(LAM)
+  for name in ("Dense_0", "Dense_1"):
+    spec = layout.layer(name)
+    A, G = _reference_factors(stats.layers[name], spec.has_bias)
+    want = _unstack(_kron_update(_block_part(A, b), _block_part(G, b), _stacked(grads[name]),
+                                 d, d), params[name])
+    for leaf in want:
+      np.testing.assert_allclose(updates[name][leaf], want[leaf], rtol=RTOL, atol=1e-13)
+  _, G = _reference_factors(stats.layers["Dense_1"], True)
+  inv = np.asarray(inverse_blocks(state)["b8"][small.start])
+  want_inv = np.eye(b)
+  want_inv[:3, :3] = np.linalg.inv(G + d * np.eye(3))
+  np.testing.assert_allclose(inv, want_inv, rtol=RTOL, atol=1e-13)
+
+
+@pytest.mark.parametrize("factors, padded", [
+    ([(9, 1), (4, 1)], False),                # no full blocks: small blocks stay small
+    ([(512, 1), (10, 1)], True),              # 1 small next to 4 full blocks
+    ([(512, 1), (10, 2)], False),             # 2 small (a stack of 2 copies): more than 1/4
+    ([(256, 1), (129, 2), (64, 1)], True),    # 6 full blocks, 1 small
+])
+def test_small_factors_join_the_full_blocks_only_when_few(factors, padded):
+  assert blocks._pads_small_factors(factors, 128) is padded  # pylint: disable=protected-access
+  assert blocks._pads_small_factors(factors, None) is False  # pylint: disable=protected-access

@@ -2,10 +2,13 @@
 
 Every factor (``A`` of dimension ``d_in (+1)`` and ``G`` of dimension ``d_out`` for each layer) is
 approximated block-diagonally. A factor larger than ``block_size`` becomes ``ceil(d / b)`` blocks
-of size ``b``, the last one identity-padded; a smaller factor is one block, padded to the next
-power of two so that few distinct sizes exist. Blocks of one size, from all layers, are stacked
-into one ``(n_blocks, b, b)`` array (a *group*): one batched Cholesky per group inverts every
-block of every layer, and the leading axis is what a device mesh can shard.
+of size ``b``, the last one identity-padded; a smaller factor is one block, padded to ``b`` when
+the model's small factors are few next to its full blocks (at most a quarter as many: one
+stack, one inversion in the compiled steps; :func:`_pads_small_factors`), else to the next power
+of two so that few distinct sizes exist. Blocks of one size, from all layers, are stacked into
+one ``(n_blocks, b, b)`` array (a *group*): one batched Cholesky per group inverts every block
+of every layer, and the leading axis is what a device mesh can shard. A padded block's
+covariance and products use its true ``d x d`` corner (the padding is identity).
 
 The :class:`BlockLayout` is static: it follows from the parameter shapes alone, so ``init`` and
 ``update`` derive the same layout without storing it.
@@ -133,13 +136,37 @@ def split_shape(dim: int, block_size: Optional[int]) -> tuple[int, int]:
 
   ``block_size=None`` keeps the factor whole (one block of exactly ``dim``). Otherwise a factor
   larger than ``block_size`` is cut into ``ceil(dim / block_size)`` blocks, and a smaller one is a
-  single block padded to the next power of two (capped at ``block_size``).
+  single block padded to the next power of two (capped at ``block_size``). :func:`build_layout`
+  pads it to ``block_size`` instead when :func:`_pads_small_factors` says so.
   """
   if block_size is None:
     return dim, 1
   if dim > block_size:
     return block_size, math.ceil(dim / block_size)
   return min(_next_pow2(dim), block_size), 1
+
+
+# Factors smaller than the block size are padded to it, into the one stack of full blocks,
+# when that adds at most this share of its blocks; else each is padded to the next power of two.
+_PAD_SMALL_SHARE = 0.25
+
+
+def _pads_small_factors(factors: list[tuple[int, int]], block_size: Optional[int]) -> bool:
+  """Whether the factors ``[(dimension, copies)]`` smaller than ``block_size`` are padded to
+  it, so that every block is in one stack.
+
+  Each distinct block size is a stack with its own inversion, loop and products in the
+  compiled steps: on XLA:CPU, where compile time follows the number of kernels, the MNIST
+  MLP's check step (one 10-dimensional factor beside 21 blocks of 128) had 282 kernels with
+  two stacks and 228 with one; the CNN's (four stacks) 430 and 322. Padded, a small factor's
+  block costs a full block's inversion and products, so it is done only when the small
+  factors add at most ``_PAD_SMALL_SHARE`` of the full blocks there are (and never when there
+  are none: a model of small layers keeps its small blocks)."""
+  if block_size is None:
+    return False
+  full = sum(math.ceil(d / block_size) * c for d, c in factors if d >= block_size)
+  small = sum(c for d, c in factors if d < block_size)
+  return 0 < small <= _PAD_SMALL_SHARE * full
 
 
 def module_leaves(tree: Any) -> dict[tuple[str, ...], dict[str, Any]]:
@@ -187,12 +214,25 @@ def build_layout(tree: Any, block_size: Optional[int],
   """
   from thor_optax._src import layers as layers_lib  # pylint: disable=import-outside-toplevel
   block_size = _check_block_size(block_size)
+  claimed = []
+  for path, leaves in module_leaves(tree).items():
+    shapes = {name: tuple(int(s) for s in np.shape(leaf)) for name, leaf in leaves.items()}
+    hint = (captured or {}).get(stats_lib.layer_name(path))
+    found = None
+    if captured is None or hint is not None:
+      found = claim_stacked(path, shapes, hint)
+    if found is not None:
+      claimed.append((path, shapes, hint, found))
+  pad_small = _pads_small_factors(
+      [(dim, math.prod(found[2]) * found[1].groups) for _, _, _, found in claimed
+       for dim in (found[1].a_dim, found[1].g_dim) if dim is not None], block_size)
   counts: dict[tuple[int, int], int] = {}
 
   def slot(dim: Optional[int], copies: int) -> Optional[FactorSlot]:
     if dim is None:
       return None
-    block, n = split_shape(dim, block_size)
+    block, n = (block_size, 1) if pad_small and dim < block_size else split_shape(dim,
+                                                                                  block_size)
     rank = rank_of(block)
     start = counts.get((block, rank), 0)
     counts[(block, rank)] = start + n * copies
@@ -200,15 +240,7 @@ def build_layout(tree: Any, block_size: Optional[int],
                       copies=copies)
 
   specs = []
-  for path, leaves in module_leaves(tree).items():
-    shapes = {name: tuple(int(s) for s in np.shape(leaf)) for name, leaf in leaves.items()}
-    hint = (captured or {}).get(stats_lib.layer_name(path))
-    found = None
-    if captured is None or hint is not None:
-      found = claim_stacked(path, shapes, hint)
-    if found is None:
-      continue
-    kind, claim, stack = found
+  for path, shapes, hint, (kind, claim, stack) in claimed:
     per_layer = {name: shape[len(stack):] for name, shape in shapes.items()}
     if claim.groups > 1:  # a grouped layer: a stack of its groups, one group's shapes
       per_layer = group_shapes(kind, per_layer, claim.groups)
@@ -313,7 +345,15 @@ def block_traces(rows: jax.Array, scale: jax.Array | float, slot: FactorSlot) ->
   Returns:
     ``(num_blocks,)`` traces.
   """
+  if _one_padded_block(slot):  # the padding's zeros cost as many reads as rows R times b
+    return block_scale(scale, slot) * jnp.sum(jnp.square(rows), axis=(-2, -1)).reshape(
+        slot.num_blocks)
   return block_scale(scale, slot) * jnp.sum(jnp.square(blocked_rows(rows, slot)), axis=(0, 2))
+
+
+def _one_padded_block(slot: FactorSlot) -> bool:
+  """Whether each copy of the factor is one block with padding (``d < b``)."""
+  return slot.blocks_per_copy == 1 and slot.dim < slot.block
 
 
 def block_covariances(rows: jax.Array, scale: jax.Array | float, slot: FactorSlot,
@@ -329,9 +369,15 @@ def block_covariances(rows: jax.Array, scale: jax.Array | float, slot: FactorSlo
   Returns:
     ``(K, b, b)``; padded rows/columns are zero.
   """
-  x = jnp.take(blocked_rows(rows, slot), idx, axis=1)
   scale = block_scale(scale, slot)
   scale = scale if jnp.ndim(scale) == 0 else jnp.take(scale, idx)[:, None, None]
+  if _one_padded_block(slot):  # the d x d product, padded: not R b^2 FLOPs on zeros
+    x = rows if rows.ndim == 3 else rows[None]
+    x = jnp.take(x, idx, axis=0)
+    pad = slot.block - slot.dim
+    cov = jnp.einsum("krb,krc->kbc", x, x, out_sharding=explicit.contraction_sharding(x))
+    return scale * jnp.pad(cov, ((0, 0), (0, pad), (0, pad)))
+  x = jnp.take(blocked_rows(rows, slot), idx, axis=1)
   # Under an explicit-sharding mesh the examples axis ``R`` may be sharded: the contraction
   # over it gives replicated blocks (the compiler's all-reduce).
   return scale * jnp.einsum("rkb,rkc->kbc", x, x,
@@ -342,6 +388,8 @@ def left_multiply(blocks: jax.Array, x: jax.Array) -> jax.Array:
   """``blockdiag(blocks) @ x`` for ``blocks (n, b, b)`` and ``x (d, m)`` with ``d <= n b``."""
   n, b, _ = blocks.shape
   d = x.shape[0]
+  if n == 1 and d < b:  # one padded block: its true corner (identity on the padding)
+    return blocks[0, :d, :d] @ x
   xp = jnp.pad(x, ((0, n * b - d), (0, 0))) if n * b != d else x
   y = jnp.einsum("kij,kjm->kim", blocks, xp.reshape(n, b, -1))
   return y.reshape(n * b, -1)[:d]
@@ -351,6 +399,8 @@ def right_multiply(x: jax.Array, blocks: jax.Array) -> jax.Array:
   """``x @ blockdiag(blocks)`` for ``x (m, d)`` and ``blocks (n, b, b)`` with ``d <= n b``."""
   n, b, _ = blocks.shape
   d = x.shape[1]
+  if n == 1 and d < b:  # one padded block: its true corner (identity on the padding)
+    return x @ blocks[0, :d, :d]
   xp = jnp.pad(x, ((0, 0), (0, n * b - d))) if n * b != d else x
   y = jnp.einsum("mki,kij->mkj", xp.reshape(x.shape[0], n, b), blocks)
   return y.reshape(x.shape[0], n * b)[:, :d]
