@@ -157,11 +157,20 @@ def _pads_small_factors(factors: list[tuple[int, int]], block_size: Optional[int
 
   Each distinct block size is a stack with its own inversion, loop and products in the
   compiled steps: on XLA:CPU, where compile time follows the number of kernels, the MNIST
-  MLP's check step (one 10-dimensional factor beside 21 blocks of 128) had 282 kernels with
-  two stacks and 228 with one; the CNN's (four stacks) 430 and 322. Padded, a small factor's
-  block costs a full block's inversion and products, so it is done only when the small
-  factors add at most ``_PAD_SMALL_SHARE`` of the full blocks there are (and never when there
-  are none: a model of small layers keeps its small blocks)."""
+  MLP's check step (one 10-dimensional factor beside 21 blocks of 128) had 278 kernels with
+  two stacks and 228 with one; the CNN's (three stacks) 424 and 315. Padded, a small factor's
+  block costs a full block's inversion and memory (its covariance, trace and products use its
+  true corner), so it is done only when the small factors add at most ``_PAD_SMALL_SHARE`` of
+  the full blocks there are (and never when there are none: a model of small layers keeps its
+  small blocks).
+
+  Args:
+    factors: ``(d, C)`` of every factor: its dimension and its number of copies (layers of a
+      stack, groups of a grouped convolution).
+    block_size: the split size, or ``None`` (never padded).
+
+  Returns:
+    whether every factor smaller than ``block_size`` is one block of ``block_size``."""
   if block_size is None:
     return False
   full = sum(math.ceil(d / block_size) * c for d, c in factors if d >= block_size)

@@ -5,13 +5,13 @@ nothing.
 ``max_consecutive_errors`` such steps. A second-order optimizer can also turn a finite gradient
 into a non-finite update (a NaN learning rate or damping from a schedule, an inverse that
 overflowed), and a check step can bring non-finite curvature statistics with a finite
-gradient, so this wrapper runs the inner update, then keeps its result only if the gradient,
-and the update are all finite; otherwise it returns zero updates and the inner state as it was
+gradient, so this wrapper runs the inner update, then keeps its result only if the gradient
+and the update are finite; otherwise it returns zero updates and the inner state as it was
 (momentum, curvature blocks, counts), and never gives up. Non-finite statistics
 (``curvature_stats=``) reach it as a non-finite update: this package's curvature transforms
 return NaN updates from a check step whose statistics are not finite, judged by the block
-traces they compute anyway, so the guard does not read the statistics again (a reduction
-over every one of them was a sixth of its kernels in the MNIST MLP's check step).
+traces they compute anyway, so the guard does not read the statistics again (reducing over
+every one of them took 26 of the 308 kernels of the MNIST MLP's check step).
 Its state is optax's own ``ApplyIfFiniteState``, so the counters read as they do under
 ``optax.apply_if_finite``.
 
