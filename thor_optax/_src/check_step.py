@@ -289,6 +289,18 @@ def side_refresh(spec: layer_base.LayerSpec, stats: Any, state: Any, factors: An
 _ONE_ROW_TOLERANCE = 1e-5
 
 
+def _sums(*vectors: jax.Array) -> tuple[jax.Array, ...]:
+  """The sums of equally long ``(n,)`` vectors, in one (variadic) reduction."""
+  zero = jnp.zeros((), vectors[0].dtype)
+  return jax.lax.reduce(vectors, (zero,) * len(vectors),
+                        lambda u, v: tuple(x + y for x, y in zip(u, v)), (0,))
+
+
+def _rows(rows: layer_base.FactorRows) -> int:
+  """The number of rows behind a factor (per copy)."""
+  return rows.rows.shape[-2]
+
+
 def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg: Any,
                   key: Any, sqrt_damping: jax.Array) -> layer_base.LayerFactors:
   """A Kronecker-factored layer's factor rows (or diagonal ``A``), damping and validity; for a
@@ -311,21 +323,26 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
   tr_g = blocks.block_traces(g.rows, g.scale, spec.g)
   if spec.a is not None:
     tr_a, dim_a = blocks.block_traces(a.rows, a.scale, spec.a), spec.a.dim
-    mean_row = jnp.mean(a.rows, axis=0)
+    mean_row = jnp.mean(a.rows, axis=-2)
   else:  # a diagonal A: its values
-    tr_a, dim_a = jnp.sum(a, keepdims=True), a.shape[0]
+    tr_a, dim_a, mean_row = jnp.sum(a, keepdims=True), a.shape[0], None
     a = replicas.mean(a, cfg.axis_name)
-    mean_row = None
   tr_a, tr_g, mean_row = replicas.mean((tr_a, tr_g, mean_row), cfg.axis_name)
-  total = jnp.sum(tr_a)
+  # One small reduction gives the layer's sums (three sums of the traces' length: one kernel
+  # where XLA:CPU compiled one per sum, and two for each long one).
+  mean_sq = (jnp.zeros_like(tr_a) if mean_row is None else  # s R |mean row|^2 per block
+             blocks.block_traces(mean_row[..., None, :], a.scale * _rows(a), spec.a))
+  pad = lambda v: jnp.pad(v, (0, tr_g.shape[0]))  # noqa: E731 (as long as every trace)
+  total, mean_total, everything = _sums(pad(tr_a), pad(mean_sq),
+                                        jnp.concatenate([tr_a, tr_g.astype(tr_a.dtype)]))
   # Traces are sums of squares: their sum is finite exactly when every trace is (or it
-  # overflows, which rejects the statistics too); one reduction instead of one per factor.
-  finite = jnp.isfinite(total + jnp.sum(tr_g))
-  if mean_row is not None and a.rows.shape[0] > 1:
+  # overflows, which rejects the statistics too).
+  finite = jnp.isfinite(everything)
+  if mean_row is not None and _rows(a) > 1:
     # Rows that are all one row (an all-zero batch behind a bias, one example repeated) give
     # a rank-one A that says nothing of the inputs' spread: the A blocks keep their inverses
     # (a zero trace marks them not valid in gather). tr(A) - s R |mean row|^2 is the spread.
-    spread = total - a.scale * a.rows.shape[0] * jnp.sum(mean_row * mean_row)
+    spread = total - mean_total
     tr_a = jnp.where(spread <= _ONE_ROW_TOLERANCE * total, jnp.zeros_like(tr_a), tr_a)
   d_a, d_g = damping_lib.split_damping(tr_a, dim_a, tr_g, spec.g.dim, sqrt_damping,
                                        cfg.damping.pi_damping, cfg.damping.max_pi)
