@@ -573,28 +573,34 @@ def layer_diagnostics(specs: list, old: Diagnostics, stacks: dict, refreshed: di
   statistics) summed over each layer's factor blocks, the others' as they were (``valid``:
   per block stack, the blocks whose statistics were accepted).
 
-  One segment sum (and one segment max) per block stack gives every layer's values at once:
-  summed layer by layer, slot by slot, the small slices and sums were kernels that XLA
-  compiled one by one, 0.9 s of the MNIST MLP's check-step compile on a 2-core CPU."""
+  Per block stack, one product with the static ``(L, n)`` matrix of which layer each block
+  belongs to gives every layer's counts at once, and one reduction their largest trace
+  ratios: summed layer by layer, slot by slot, the small slices and sums were kernels that
+  XLA compiled one by one (0.9 s of the MNIST MLP's check-step compile on a 2-core CPU), and a
+  segment sum and max were six. ``total_refreshes`` adds this check's refreshes to the old
+  count."""
   num = len(old.names)
   index = {name: i for i, name in enumerate(old.names)}
-  counts = jnp.zeros((num, len(_COUNTS)), jnp.int32)
+  sums = jnp.zeros((num, 3), jnp.float32)  # blocks refreshed, frozen, rejected
   ratios = None
   for group, done in refreshed.items():
     n = done.shape[0]
-    ids = np.full((n,), num)  # blocks of no layer here go to a dropped segment
+    member = np.zeros((num, n), np.float32)
     for spec in specs:
       for s in spec.slots:
         if s.group == group:
-          ids[s.start:s.stop] = index[spec.name]
-    per_block = jnp.stack([done, stacks[group]["record"].refreshes,
-                           policy.frozen(stacks[group].get("policy"), n), ~valid[group]],
-                          axis=1).astype(jnp.int32)
-    counts = counts + jax.ops.segment_sum(per_block, ids, num + 1)[:num]
-    top = jax.ops.segment_max(ratio[group], ids, num + 1)[:num]
+          member[index[spec.name], s.start:s.stop] = 1.0
+    per_block = jnp.stack([done, policy.frozen(stacks[group].get("policy"), n),
+                           ~valid[group]], axis=1).astype(jnp.float32)
+    # Counts of at most n blocks: exact in float32 at the highest precision.
+    sums = sums + jnp.matmul(member, per_block, precision=jax.lax.Precision.HIGHEST)
+    top = jnp.max(jnp.where(member > 0, ratio[group][None, :], -jnp.inf), axis=1)
     ratios = top if ratios is None else jnp.maximum(ratios, top)
   if ratios is None:
     return old
+  sums = jnp.round(sums).astype(jnp.int32)
+  counts = jnp.stack([sums[:, 0], old.counts[:, 1] + sums[:, 0], sums[:, 1], sums[:, 2]],
+                     axis=1)
   checked = np.zeros((num,), bool)
   checked[[index[spec.name] for spec in specs]] = True
   return Diagnostics(
