@@ -328,13 +328,14 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
     tr_a, dim_a, mean_row = jnp.sum(a, keepdims=True), a.shape[0], None
     a = replicas.mean(a, cfg.axis_name)
   tr_a, tr_g, mean_row = replicas.mean((tr_a, tr_g, mean_row), cfg.axis_name)
-  # One small reduction gives the layer's sums (three sums of the traces' length: one kernel
-  # where XLA:CPU compiled one per sum, and two for each long one).
-  mean_sq = (jnp.zeros_like(tr_a) if mean_row is None else  # s R |mean row|^2 per block
-             blocks.block_traces(mean_row[..., None, :], a.scale * _rows(a), spec.a))
-  pad = lambda v: jnp.pad(v, (0, tr_g.shape[0]))  # noqa: E731 (as long as every trace)
-  total, mean_total, everything = _sums(pad(tr_a), pad(mean_sq),
-                                        jnp.concatenate([tr_a, tr_g.astype(tr_a.dtype)]))
+  # One variadic reduction gives the layer's sums, its operands zero-padded to one length: on
+  # XLA:CPU each sum was a kernel of its own, and two for a long one (the mean row's d_A).
+  parts = [tr_a, jnp.concatenate([tr_a, tr_g.astype(tr_a.dtype)])]
+  if mean_row is not None:  # s R |mean row|^2, per copy
+    scale = jnp.asarray(a.scale, tr_a.dtype)[..., None] * _rows(a)
+    parts.append((scale * jnp.square(mean_row)).reshape(-1))
+  length = max(p.shape[0] for p in parts)
+  total, everything, *mean_total = _sums(*(jnp.pad(p, (0, length - p.shape[0])) for p in parts))
   # Traces are sums of squares: their sum is finite exactly when every trace is (or it
   # overflows, which rejects the statistics too).
   finite = jnp.isfinite(everything)
@@ -342,7 +343,7 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
     # Rows that are all one row (an all-zero batch behind a bias, one example repeated) give
     # a rank-one A that says nothing of the inputs' spread: the A blocks keep their inverses
     # (a zero trace marks them not valid in gather). tr(A) - s R |mean row|^2 is the spread.
-    spread = total - mean_total
+    spread = total - mean_total[0]
     tr_a = jnp.where(spread <= _ONE_ROW_TOLERANCE * total, jnp.zeros_like(tr_a), tr_a)
   d_a, d_g = damping_lib.split_damping(tr_a, dim_a, tr_g, spec.g.dim, sqrt_damping,
                                        cfg.damping.pi_damping, cfg.damping.max_pi)

@@ -53,7 +53,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any, Mapping, Optional, Union
 
 import flax.linen as nn
@@ -194,8 +193,8 @@ def ones(value: Optional[tuple[int, ...]], num_spatial: int) -> tuple[int, ...]:
 def conv_patches(stats: "ConvStats") -> jax.Array:
   """im2col patches of a conv layer's input (one feature group: the whole input).
 
-  Built from ``prod(k...)`` strided slices of the input, dilated and padded by one
-  ``lax.pad`` (interior padding is the input dilation; negative pads crop): pure data movement,
+  Gathered from the input, dilated and padded by one ``lax.pad`` (interior padding is the
+  input dilation; negative pads crop), at static indices: pure data movement,
   ``O(N T C_in prod(k...))``. (``lax.conv_general_dilated_patches`` computes the same array as
   a convolution with an identity kernel, ``O(C^2 prod(k...)^2)`` multiply-adds per position,
   which dominated a check step on CPU.)
@@ -222,16 +221,19 @@ def conv_patches(stats: "ConvStats") -> jax.Array:
                   ((0, 0, 0),) + tuple((int(lo), int(hi), d - 1)
                                        for (lo, hi), d in zip(pads, idil)) + ((0, 0, 0),))
   out = tuple((x.shape[1 + i] - span[i]) // strides[i] + 1 for i in range(nsp))
-  taps = []
-  for offsets in itertools.product(*(range(k) for k in ks)):
-    start = tuple(o * d for o, d in zip(offsets, kdil))
-    limit = tuple(b + (o - 1) * st + 1 for b, o, st in zip(start, out, strides))
-    taps.append(jax.lax.slice(x, (0,) + start + (0,), (x.shape[0],) + limit + (x.shape[-1],),
-                              (1,) + strides + (1,)))
-  if nsp == 2:  # (N, H', W', C, k_h k_w): channel-major
-    patches = jnp.stack(taps, axis=-1)
-    return patches.reshape(patches.shape[:3] + (-1,))
-  return jnp.concatenate(taps, axis=-1)  # (N, out..., prod(k) C): row-major
+  # One gather with static indices: position o and tap k of dimension i read o s_i + k d_i.
+  # XLA fuses it with the padding (and what follows) into one kernel; prod(k...) slices and
+  # their stack were a kernel each on XLA:CPU (and 2.6x the time for a 3x3 kernel).
+  index = []
+  for i in range(nsp):
+    shape = [1] * (2 * nsp)
+    shape[i], shape[nsp + i] = out[i], ks[i]
+    pos = np.arange(out[i])[:, None] * strides[i] + np.arange(ks[i])[None, :] * kdil[i]
+    index.append(pos.reshape(shape))
+  patches = x[(slice(None),) + tuple(index)]  # (N, out..., k..., C)
+  if nsp == 2:  # (N, H', W', C, k_h, k_w): channel-major
+    patches = jnp.moveaxis(patches, -1, 3)
+  return patches.reshape(patches.shape[:1 + nsp] + (-1,))
 
 
 def _settings(x: Any, nsp: int) -> tuple[int, ...]:
