@@ -33,6 +33,7 @@ from thor_optax._src import blocks as blocks_lib
 from thor_optax._src import damping as damping_lib
 from thor_optax._src import finite
 from thor_optax._src import linalg
+from thor_optax._src.inverses import base as base_inverses
 
 from reference import softmax_ce
 
@@ -241,6 +242,36 @@ def test_all_finite_finds_one_bad_entry_in_any_leaf(bad):
     bad_leaves = {**leaves, name: leaves[name].at[index].set(bad)}
     assert not bool(jax.jit(finite.all_finite)(bad_leaves)), name
   assert bool(finite.all_finite({})) and bool(finite.all_finite({"ints": jnp.arange(3)}))
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_is_finite_block_finds_one_bad_entry_per_block(bad):
+  """``linalg.is_finite_block`` (which refreshed inverses are accepted) flags exactly the
+  blocks with a bad entry; large finite entries pass, in float16 too (summed in float32)."""
+  x = jnp.ones((4, 128, 128)).at[1, 127, 0].set(bad).at[3, 5, 99].set(bad)
+  np.testing.assert_array_equal(np.asarray(jax.jit(linalg.is_finite_block)(x)),
+                                [True, False, True, False])
+  assert bool(linalg.is_finite_block(jnp.full((1, 128, 128), 1e30))[0])
+  assert bool(linalg.is_finite_block(jnp.full((1, 128, 128), 6e4, jnp.float16))[0])
+  half = jnp.ones((2, 8, 8), jnp.float16).at[0, 1, 1].set(bad)
+  np.testing.assert_array_equal(np.asarray(linalg.is_finite_block(half)), [False, True])
+
+
+def test_a_failed_factorization_keeps_the_inverse():
+  """A block whose damped covariance is not positive definite (Cholesky gives NaN) keeps the
+  inverse it had and is not counted as refreshed; the other block is refreshed."""
+  good = 2.0 * jnp.eye(4)
+  bad = -jnp.eye(4)  # damped by 0.1: still negative definite
+  old = jnp.stack([3.0 * jnp.eye(4), 5.0 * jnp.eye(4)])
+  cov = jnp.stack([bad, good])
+  damping, real = jnp.full((2,), 0.1), jnp.ones((2, 4))
+  new, done = blocks_lib.masked_block_update(
+      jnp.array([True, True]), old,
+      lambda idx: (lambda inv, ok: (inv.inverse, ok))(*base_inverses.cholesky_refresh(
+          cov[idx], damping[idx], real[idx], None)))
+  np.testing.assert_array_equal(np.asarray(done), [False, True])
+  np.testing.assert_allclose(np.asarray(new[0]), 3.0 * np.eye(4))
+  np.testing.assert_allclose(np.asarray(new[1]), np.eye(4) / 2.1, rtol=1e-6)
 
 
 def _thor_first_check(x, damping):
