@@ -321,11 +321,16 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
       cfg.group_method(slot.group).check_rows(spec.name, which, slot,
                                               num_replicas * r.rows.shape[0])
   tr_g = blocks.block_traces(g.rows, g.scale, spec.g)
+  # Rows that are all one row (an all-zero batch behind a bias, one example repeated) give a
+  # rank-one A that says nothing of the inputs' spread: the A blocks keep their inverses (a
+  # zero trace marks them not valid in gather). tr(A) - s R |mean row|^2 is the spread.
+  mean_row = None
   if spec.a is not None:
     tr_a, dim_a = blocks.block_traces(a.rows, a.scale, spec.a), spec.a.dim
-    mean_row = jnp.mean(a.rows, axis=-2)
+    if _rows(a) > 1:
+      mean_row = jnp.mean(a.rows, axis=-2)
   else:  # a diagonal A: its values
-    tr_a, dim_a, mean_row = jnp.sum(a, keepdims=True), a.shape[0], None
+    tr_a, dim_a = jnp.sum(a, keepdims=True), a.shape[0]
     a = replicas.mean(a, cfg.axis_name)
   tr_a, tr_g, mean_row = replicas.mean((tr_a, tr_g, mean_row), cfg.axis_name)
   # One variadic reduction gives the layer's sums, its operands zero-padded to one length: on
@@ -339,10 +344,7 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
   # Traces are sums of squares: their sum is finite exactly when every trace is (or it
   # overflows, which rejects the statistics too).
   finite = jnp.isfinite(everything)
-  if mean_row is not None and _rows(a) > 1:
-    # Rows that are all one row (an all-zero batch behind a bias, one example repeated) give
-    # a rank-one A that says nothing of the inputs' spread: the A blocks keep their inverses
-    # (a zero trace marks them not valid in gather). tr(A) - s R |mean row|^2 is the spread.
+  if mean_row is not None:
     spread = total - mean_total[0]
     tr_a = jnp.where(spread <= _ONE_ROW_TOLERANCE * total, jnp.zeros_like(tr_a), tr_a)
   d_a, d_g = damping_lib.split_damping(tr_a, dim_a, tr_g, spec.g.dim, sqrt_damping,
