@@ -3,15 +3,16 @@
 THOR's paper differs from classic K-FAC (``thor_optax.kfac``: running-average factors, whole
 factors, every block inverted at every check, a check at every step) in four choices:
 current-batch factors, 128-blocks, the trace rule, and checks at a growing interval.
-``thor_optax.thor`` keeps the last three, averages each block across its refreshes and takes
-Nesterov momentum instead of heavy-ball (what this ablation found). Both aliases split the
-damping ``sqrt(lambda)`` per factor (``pi_damping=False``); the ``pi`` rows show what K-FAC's
-pi rule would change, unclipped and with ``pi`` clipped (``max_pi``). This script trains the
-MNIST models of ``benchmarks/mnist.py`` (same data, models, batches and evaluation)
-with:
+``thor_optax.thor`` keeps the last three, averages each block across its refreshes, takes
+Nesterov momentum instead of heavy-ball, and splits the damping by K-FAC's pi rule with ``pi``
+clipped to ``[1/5, 5]`` and each block's damping floored at its mean eigenvalue (what this
+ablation found). ``kfac`` and THOR's paper split the damping equally, ``sqrt(lambda)`` per
+factor. This script trains the MNIST models of ``benchmarks/mnist.py`` (same data, models,
+batches and evaluation) with:
 
 * the *path* from ``kfac`` to THOR as in its paper (``+growing``) and on to ``thor``'s
-  defaults (``+average``, then ``thor``), each row changing one choice of the one above;
+  defaults (``+average``, ``+nesterov``, then ``thor``), each row changing one choice of the
+  one above (the last, the damping split and its floor together);
 * *leave-one-out* rows: ``thor`` with one choice set back to K-FAC's;
 * SGD-momentum, Adam and Muon at their tuned rates, for the goals (THOR's steps at most
   kfac's and Muon's; its best accuracy within 0.2 points of the best first-order optimizer's).
@@ -26,7 +27,7 @@ not reached), the mean best and final test accuracy over the seeds (evaluated ev
 ``--eval-every`` steps) and the mean training seconds (on a quiet machine; contention inflates
 them, steps are unaffected).
 
-Run (2 tasks x 18 rows x 3 seeds; about 45 minutes on a 2-core CPU shared with other jobs)::
+Run (2 tasks x 20 rows x 3 seeds; about 45 minutes on a 2-core CPU shared with other jobs)::
 
   python3 benchmarks/ablation.py
   python3 benchmarks/ablation.py --tasks cnn --rows kfac thor --seeds 0 1 2 3 4
@@ -73,21 +74,31 @@ def _thor(**kw):
   return lambda lr, damping: thor_optax.thor(lr, damping, **kw)
 
 
+# thor's damping before the pi default: sqrt(lambda) to each factor (THOR's paper), with the
+# floor of the other aliases; the path rows up to +nesterov keep it.
+EQUAL_SPLIT = dict(pi_damping=False, min_relative_damping=0.1)
+
+
 ROWS = (
     # The path: kfac -> THOR as in its paper -> thor_optax.thor, one choice at a time.
     Row("kfac", _kfac(), 1, "thor_optax.kfac: running average (0.95), whole factors, every "
         "block at every check, a check every step"),
     Row("+current", _kfac(ema_decay=None), 1, "current-batch factors (ema_decay=None)"),
     Row("+blocks", _kfac(ema_decay=None, block_size=128), 1, "and 128-blocks"),
-    Row("+trace", _thor(ema_decay=None, nesterov=False), 1, "and THOR's trace rule (0.01, 0), "
-        "checks every step"),
-    Row("+growing", _thor(ema_decay=None, nesterov=False), GROWING, "and the growing interval "
-        "(5, 50, 200): THOR as in its paper (thor_optax.thor(..., ema_decay=None, "
-        "nesterov=False))"),
-    Row("+average", _thor(nesterov=False), GROWING, "and a running average (0.95) across "
-        "refreshes of each block formed from fewer than 4 rows per dimension"),
-    Row("thor", _thor(), GROWING, "and Nesterov momentum instead of heavy-ball: thor_optax.thor's "
-        "defaults, as in mnist.py"),
+    Row("+trace", _thor(ema_decay=None, nesterov=False, **EQUAL_SPLIT), 1,
+        "and THOR's trace rule (0.01, 0), checks every step"),
+    Row("+growing", _thor(ema_decay=None, nesterov=False, **EQUAL_SPLIT), GROWING,
+        "and the growing interval (5, 50, 200): THOR as in its paper (thor_optax.thor(..., "
+        "ema_decay=None, nesterov=False, pi_damping=False, min_relative_damping=0.1))"),
+    Row("+average", _thor(nesterov=False, **EQUAL_SPLIT), GROWING,
+        "and a running average (0.95) across refreshes of each block formed from fewer than 4 "
+        "rows per dimension"),
+    Row("+nesterov", _thor(**EQUAL_SPLIT), GROWING,
+        "and Nesterov momentum instead of heavy-ball (thor_optax.thor's defaults before the pi "
+        "rule)"),
+    Row("thor", _thor(), GROWING, "and the pi rule, pi clipped to [1/5, 5], with each block's "
+        "damping at least its mean eigenvalue (min_relative_damping=1, not 0.1): "
+        "thor_optax.thor's defaults, as in mnist.py"),
     # Leave one out: thor with one choice set back to K-FAC's.
     Row("thor-all", _thor(ema_rows_ratio=None), GROWING, "thor averaging every block, also "
         "those formed from many rows (K-FAC's running average)"),
@@ -96,12 +107,12 @@ ROWS = (
         "thor refreshing every block at every check (trace_thresholds=(0, 0))"),
     Row("kfac-growing", _kfac(), GROWING, "kfac at THOR's growing interval"),
     Row("kfac-pi", _kfac(pi_damping=True), 1, "kfac with K-FAC's pi rule for the damping split"),
-    Row("thor-pi", _thor(pi_damping=True), GROWING, "thor with K-FAC's pi rule for the damping "
-        "split"),
-    Row("thor-pi5", _thor(pi_damping=True, max_pi=5.0), GROWING, "thor with the pi rule, pi "
-        "clipped to [1/5, 5]"),
-    Row("thor-pi3", _thor(pi_damping=True, max_pi=3.0), GROWING, "thor with the pi rule, pi "
-        "clipped to [1/3, 3]"),
+    Row("thor-pi", _thor(max_pi=None), GROWING, "thor with the pi rule unclipped"),
+    Row("thor-pi3", _thor(max_pi=3.0), GROWING, "thor with pi clipped to [1/3, 3]"),
+    Row("thor-floor", _thor(min_relative_damping=0.1), GROWING, "thor with the other aliases' "
+        "damping floor, a tenth of each block's mean eigenvalue"),
+    Row("thor-equal", _thor(pi_damping=False), GROWING, "thor with THOR's equal damping split "
+        "(pi_damping=False)"),
     # First-order references at their tuned rates (mnist.DEFAULT_LEARNING_RATE).
     Row("sgd", None, None, "optax.sgd, momentum 0.9"),
     Row("adam", None, None, "optax.adam"),

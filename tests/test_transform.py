@@ -54,16 +54,18 @@ def test_chain_equals_manual_composition(setup):
   natural, _ = pre.update(grads, pre.init(params), params, curvature_stats=stats)
   expected = jax.tree_util.tree_map(lambda n, p: -0.3 * (n + 1e-2 * p), natural, params)
   _tree_allclose(updates, expected, rtol=1e-5, atol=1e-7)
-  # The alias with heavy-ball momentum is the same chain without its KL clip and damping
-  # floor ...
+  # The alias with heavy-ball momentum is the same chain without its KL clip, pi rule and
+  # damping floor ...
   alias = thor_optax.thor(0.3, 0.05, weight_decay=1e-2, block_size=4, max_kl=None,
-                          min_relative_damping=0.0, nesterov=False)
+                          pi_damping=False, min_relative_damping=0.0, nesterov=False)
   a_updates, _ = alias.update(grads, alias.init(params), params, curvature_stats=stats)
   _tree_allclose(a_updates, expected, rtol=1e-5, atol=1e-7)
-  # ... and with its defaults, the chain around the clipped, floored preconditioner, with
-  # Nesterov momentum: from a zero trace its first step is (1 + 0.9) times the heavy-ball one.
+  # ... and with its defaults, the chain around the clipped, floored preconditioner with the
+  # pi rule (pi clipped at 5), with Nesterov momentum: from a zero trace its first step is
+  # (1 + 0.9) times the heavy-ball one.
   pre = thor_optax.scale_by_kl_clip(
-      thor_optax.scale_by_thor(0.05, block_size=4, min_relative_damping=0.1), 0.3, 1e-2)
+      thor_optax.scale_by_thor(0.05, block_size=4, pi_damping=True, max_pi=5.0,
+                               min_relative_damping=1.0), 0.3, 1e-2)
   natural, pre_state = pre.update(grads, pre.init(params), params, curvature_stats=stats)
   assert float(pre_state.scale) < 1.0  # the clip binds at this learning rate
   expected = jax.tree_util.tree_map(lambda n, p: -0.3 * 1.9 * (n + 1e-2 * p), natural, params)
@@ -95,13 +97,12 @@ def test_inject_hyperparams_changes_lr_and_damping_without_recompiling(setup):
   u2, state = step(state)
   assert len(traces) == 1
   # Heavy-ball momentum: the second update is -lr_2 (P_2 g + 0.9 P_1 g), with
-  # P_1 g = -u1 / lr_1.
-  natural2, _ = thor_optax.scale_by_thor(5.0).update(
-      grads, thor_optax.scale_by_thor(5.0).init(params), params, curvature_stats=stats)
+  # P_1 g = -u1 / lr_1; P with the alias's pi rule (max_pi, a number, injected too).
+  ref = thor_optax.scale_by_thor(5.0, pi_damping=True, max_pi=5.0)
+  natural2, _ = ref.update(grads, ref.init(params), params, curvature_stats=stats)
   expected = jax.tree_util.tree_map(lambda n, a: -0.2 * (n - 0.9 * a / 0.1), natural2, u1)
   _tree_allclose(u2, expected, rtol=1e-4, atol=1e-6)
   # The check at the second step used damping 5.0: same inverses as a fixed-damping run.
-  ref = thor_optax.scale_by_thor(5.0)
   _, ref_state = ref.update(grads, ref.init(params), params, curvature_stats=stats)
   inner = reference.kronecker_state(state)
   _tree_allclose(inverse_blocks(inner), inverse_blocks(ref_state), rtol=1e-5, atol=1e-6)
@@ -258,16 +259,42 @@ def test_thor_alias_passes_max_pi(setup):
   params, grads, stats = setup
   pre = thor_optax.scale_by_thor(0.05, block_size=4, ema_decay=0.95, ema_rows_ratio=4.0,
                                  pi_damping=True, max_pi=1.2, min_relative_damping=0.1)
+  # A floor below the damping of both factors, else the floor hides pi.
   alias = thor_optax.thor(1.0, 0.05, momentum=0.0, block_size=4, max_kl=None,
-                          pi_damping=True, max_pi=1.2)
+                          pi_damping=True, max_pi=1.2, min_relative_damping=0.1)
   want, _ = pre.update(grads, pre.init(params), params, curvature_stats=stats)
   got, _ = alias.update(grads, alias.init(params), params, curvature_stats=stats)
   _tree_allclose(got, jax.tree.map(lambda u: -u, want), rtol=1e-6, atol=1e-7)
   unclipped = thor_optax.thor(1.0, 0.05, momentum=0.0, block_size=4, max_kl=None,
-                              pi_damping=True)
+                              max_pi=None, min_relative_damping=0.1)
   other, _ = unclipped.update(grads, unclipped.init(params), params, curvature_stats=stats)
   assert not np.allclose(other["Dense_1"]["kernel"], got["Dense_1"]["kernel"], rtol=1e-4)
 
+
+
+def test_thor_alias_splits_damping_by_pi_except_for_eigh(setup):
+  params, grads, stats = setup
+  kw = dict(momentum=0.0, block_size=4, max_kl=None)
+
+  def first_update(**options):
+    tx = thor_optax.thor(1.0, 0.05, **kw, **options)
+    return tx.update(grads, tx.init(params), params, curvature_stats=stats)[0]
+
+  _tree_allclose(first_update(),
+                 first_update(pi_damping=True, max_pi=5.0, min_relative_damping=1.0),
+                 rtol=1e-6, atol=1e-7)
+  # With a floor below both factors' damping (here the default floor hides pi): the rule.
+  default = first_update(min_relative_damping=0.1)
+  _tree_allclose(default, first_update(pi_damping=True, max_pi=5.0, min_relative_damping=0.1),
+                 rtol=1e-6, atol=1e-7)
+  equal = first_update(pi_damping=False, min_relative_damping=0.1)
+  assert not np.allclose(equal["Dense_1"]["kernel"], default["Dense_1"]["kernel"], rtol=1e-4)
+  # eigh damps A (x) G exactly: the default builds (pi_damping=True would raise) and splits
+  # nothing.
+  _tree_allclose(first_update(inverse_method="eigh"),
+                 first_update(inverse_method="eigh", pi_damping=False), rtol=1e-6, atol=1e-7)
+  with pytest.raises(ValueError, match="pi_damping"):
+    thor_optax.thor(1.0, 0.05, inverse_method="eigh", pi_damping=True)
 
 def test_layers_without_statistics_pass_through(setup):
   params, grads, stats = setup

@@ -16,9 +16,11 @@ factors' scales where they differ modestly (the MNIST MLP: ``pi`` from 5 to 16).
 equal split adds ``sqrt(0.03) = 0.17`` to a ``G`` of mean eigenvalue 4e-4 to 2e-3, so
 ``(G + 0.17 I)^-1`` is close to ``I / 0.17`` and only the input side is preconditioned.
 Measured (README, "Which of THOR's approximations costs steps"): with ``max_pi=5`` THOR needs
-fewer steps on both MNIST models, but one setting of a learning-rate x damping grid diverged
-at ``lambda = 1e-4`` (at learning rates 0.03 and 0.3 over 6 seeds: 1 run of 12 with ``c = 5``,
-3 with ``c = 3``, none with the equal split), so no alias clips by default.
+fewer steps on the MNIST MLP (92% test accuracy in 65 steps instead of 95, 6 seeds). With the
+floor below at 0.1, one setting of a learning-rate x damping grid diverged at ``lambda =
+1e-4``; with the floor at 1 both grids train in every setting, so the ``thor`` alias uses
+``pi_damping=True, max_pi=5, min_relative_damping=1``. ``spngd`` takes the rule unclipped,
+as SP-NGD does; ``kfac`` and ``skfac`` split equally; ``kaisa`` (eigh) damps exactly.
 
 The floor (``min_relative_damping``, ``rho``): a block ``B`` of dimension ``d`` formed from
 ``R`` rows gets at least ``rho tr(B) / min(R, d)``, ``rho`` times the mean of the eigenvalues

@@ -505,7 +505,8 @@ def scale_by_thor(
       ``rho tr(B) / min(R, d)`` (eigh: each factor's eigenvalues are floored at ``rho`` times
       their mean before ``lambda`` is added to their products). It bounds what a stale inverse
       of a singular current-batch factor does to new gradients when ``lambda`` is small; 0
-      (default): none, the papers' damping. The aliases use 0.1 (README, "Robustness").
+      (default): none, the papers' damping. The aliases use 0.1, :func:`thor` 1 (README,
+      "Robustness").
     refresh_buckets: the number of static budgets a masked refresh chooses from
       (``blocks.masked_block_update``); more buckets track the refreshed count more tightly at
       the cost of compile time. They apply to the covariances of the blocks due, and on GPU and
