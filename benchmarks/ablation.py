@@ -4,15 +4,15 @@ THOR's paper differs from classic K-FAC (``thor_optax.kfac``: running-average fa
 factors, every block inverted at every check, a check at every step) in four choices:
 current-batch factors, 128-blocks, the trace rule, and checks at a growing interval.
 ``thor_optax.thor`` keeps the last three, averages each block across its refreshes, takes
-Nesterov momentum instead of heavy-ball, and splits the damping by K-FAC's pi rule with ``pi``
-clipped to ``[1/5, 5]`` and each block's damping floored at its mean eigenvalue (what this
-ablation found). ``kfac`` and THOR's paper split the damping equally, ``sqrt(lambda)`` per
-factor. This script trains the MNIST models of ``benchmarks/mnist.py`` (same data, models,
-batches and evaluation) with:
+Nesterov momentum instead of heavy-ball, splits the damping by K-FAC's pi rule with ``pi``
+clipped to ``[1/5, 5]`` and each block's damping floored at its mean eigenvalue, and bounds
+its KL clip at 3e-2 (what this ablation found). ``kfac`` and THOR's paper split the damping
+equally, ``sqrt(lambda)`` per factor. This script trains the MNIST models of
+``benchmarks/mnist.py`` (same data, models, batches and evaluation) with:
 
 * the *path* from ``kfac`` to THOR as in its paper (``+growing``) and on to ``thor``'s
-  defaults (``+average``, ``+nesterov``, then ``thor``), each row changing one choice of the
-  one above (the last, the damping split and its floor together);
+  defaults (``+average``, ``+nesterov``, ``+pi``, then ``thor``), each row changing one choice
+  of the one above (``+pi``: the damping split and its floor together);
 * *leave-one-out* rows: ``thor`` with one choice set back to K-FAC's;
 * SGD-momentum, Adam and Muon at their tuned rates, for the goals (THOR's steps at most
   kfac's and Muon's; its best accuracy within 0.2 points of the best first-order optimizer's).
@@ -27,7 +27,7 @@ not reached), the mean best and final test accuracy over the seeds (evaluated ev
 ``--eval-every`` steps) and the mean training seconds (on a quiet machine; contention inflates
 them, steps are unaffected).
 
-Run (2 tasks x 20 rows x 3 seeds; about 45 minutes on a 2-core CPU shared with other jobs)::
+Run (2 tasks x 21 rows x 3 seeds; about 45 minutes on a 2-core CPU shared with other jobs)::
 
   python3 benchmarks/ablation.py
   python3 benchmarks/ablation.py --tasks cnn --rows kfac thor --seeds 0 1 2 3 4
@@ -74,9 +74,10 @@ def _thor(**kw):
   return lambda lr, damping: thor_optax.thor(lr, damping, **kw)
 
 
-# thor's damping before the pi default: sqrt(lambda) to each factor (THOR's paper), with the
-# floor of the other aliases; the path rows up to +nesterov keep it.
-EQUAL_SPLIT = dict(pi_damping=False, min_relative_damping=0.1)
+# thor's damping and KL clip before the pi default: sqrt(lambda) to each factor (THOR's
+# paper), with the floor and the clip of the other aliases; the path rows up to +nesterov keep
+# them.
+EQUAL_SPLIT = dict(pi_damping=False, min_relative_damping=0.1, max_kl=1e-2)
 
 
 ROWS = (
@@ -89,16 +90,18 @@ ROWS = (
         "and THOR's trace rule (0.01, 0), checks every step"),
     Row("+growing", _thor(ema_decay=None, nesterov=False, **EQUAL_SPLIT), GROWING,
         "and the growing interval (5, 50, 200): THOR as in its paper (thor_optax.thor(..., "
-        "ema_decay=None, nesterov=False, pi_damping=False, min_relative_damping=0.1))"),
+        "ema_decay=None, nesterov=False, pi_damping=False, min_relative_damping=0.1, "
+        "max_kl=1e-2))"),
     Row("+average", _thor(nesterov=False, **EQUAL_SPLIT), GROWING,
         "and a running average (0.95) across refreshes of each block formed from fewer than 4 "
         "rows per dimension"),
     Row("+nesterov", _thor(**EQUAL_SPLIT), GROWING,
         "and Nesterov momentum instead of heavy-ball (thor_optax.thor's defaults before the pi "
         "rule)"),
-    Row("thor", _thor(), GROWING, "and the pi rule, pi clipped to [1/5, 5], with each block's "
-        "damping at least its mean eigenvalue (min_relative_damping=1, not 0.1): "
-        "thor_optax.thor's defaults, as in mnist.py"),
+    Row("+pi", _thor(max_kl=1e-2), GROWING, "and the pi rule, pi clipped to [1/5, 5], with "
+        "each block's damping at least its mean eigenvalue (min_relative_damping=1, not 0.1)"),
+    Row("thor", _thor(), GROWING, "and the KL clip's bound 3e-2 instead of the other aliases' "
+        "1e-2: thor_optax.thor's defaults, as in mnist.py"),
     # Leave one out: thor with one choice set back to K-FAC's.
     Row("thor-all", _thor(ema_rows_ratio=None), GROWING, "thor averaging every block, also "
         "those formed from many rows (K-FAC's running average)"),

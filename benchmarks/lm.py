@@ -41,8 +41,8 @@ Setup:
   than 4 rows per dimension averaged across their refreshes, Nesterov momentum, the damping
   split by the pi rule with ``pi`` clipped at 5, checks at ``growing_interval(2, 20, 200)``),
   ``thor-paper`` (the same with the paper's current-batch factors, heavy-ball momentum and
-  equal damping split, with the other aliases' damping floor: ``ema_decay=None,
-  nesterov=False, pi_damping=False, min_relative_damping=0.1``), ``kfac-expand`` and
+  equal damping split, with the other aliases' damping floor and KL clip: ``ema_decay=None,
+  nesterov=False, pi_damping=False, min_relative_damping=0.1, max_kl=1e-2``), ``kfac-expand`` and
   ``kfac-reduce`` (``thor_optax.kfac``: whole factors, running averages, a check every 10 steps;
   their statistics captured with ``value_and_grad_with_stats(..., weight_sharing='expand' /
   'reduce')``, K-FAC-expand and K-FAC-reduce of Eschenhagen et al. 2023), ``adamw``
@@ -162,7 +162,7 @@ VALIDATION_MODULUS = 10  # a file is in the validation split if sha256(path) % 1
 
 # thor-paper: THOR as in its paper, current-batch factors, heavy-ball momentum and the equal
 # damping split (thor_optax.thor(..., ema_decay=None, nesterov=False, pi_damping=False,
-# min_relative_damping=0.1)), at thor's settings: the LM rows of the ablation's last three
+# min_relative_damping=0.1, max_kl=1e-2)), at thor's settings: the LM rows of the ablation's
 # choices (benchmarks/ablation.py; thor's default ema_rows_ratio averages no dense block here,
 # only the embedding's diagonal and the LayerNorms' 2x2 blocks).
 SECOND_ORDER = ("thor", "thor-paper", "kfac-expand", "kfac-reduce")
@@ -416,8 +416,8 @@ def make_optimizer(cfg: Config, num_steps: int, precondition_mask: Any = None
   """
   lr = lr_schedule(cfg.learning_rate, num_steps)
   if cfg.optimizer in ("thor", "thor-paper"):
-    extra = (dict(ema_decay=None, nesterov=False, pi_damping=False, min_relative_damping=0.1)
-             if cfg.optimizer == "thor-paper" else {})
+    extra = (dict(ema_decay=None, nesterov=False, pi_damping=False, min_relative_damping=0.1,
+                  max_kl=1e-2) if cfg.optimizer == "thor-paper" else {})
     tx = thor_optax.thor(lr, cfg.damping, block_size=cfg.thor_block_size,
                          precondition_mask=precondition_mask, **extra)
     return tx, options.check_schedule(cfg.checks)

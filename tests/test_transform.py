@@ -60,12 +60,12 @@ def test_chain_equals_manual_composition(setup):
                           pi_damping=False, min_relative_damping=0.0, nesterov=False)
   a_updates, _ = alias.update(grads, alias.init(params), params, curvature_stats=stats)
   _tree_allclose(a_updates, expected, rtol=1e-5, atol=1e-7)
-  # ... and with its defaults, the chain around the clipped, floored preconditioner with the
-  # pi rule (pi clipped at 5), with Nesterov momentum: from a zero trace its first step is
+  # ... and with its defaults, the chain around the clipped (3e-2), floored preconditioner with
+  # the pi rule (pi clipped at 5), with Nesterov momentum: from a zero trace its first step is
   # (1 + 0.9) times the heavy-ball one.
   pre = thor_optax.scale_by_kl_clip(
       thor_optax.scale_by_thor(0.05, block_size=4, pi_damping=True, max_pi=5.0,
-                               min_relative_damping=1.0), 0.3, 1e-2)
+                               min_relative_damping=1.0), 0.3, 3e-2)
   natural, pre_state = pre.update(grads, pre.init(params), params, curvature_stats=stats)
   assert float(pre_state.scale) < 1.0  # the clip binds at this learning rate
   expected = jax.tree_util.tree_map(lambda n, p: -0.3 * 1.9 * (n + 1e-2 * p), natural, params)
