@@ -209,16 +209,17 @@ def test_train_state_passes_statistics(conv_setup):
   new = step(state, grads, stats)
   updates, opt_state = jax.jit(lambda g: tx.update(g, tx.init(params), params,
                                                    curvature_stats=stats))(grads)
-  _assert_trees_close(new.params, optax.apply_updates(params, updates), rtol=1e-6, atol=1e-8)
   # The two programs compile the float32 Cholesky inverses differently (one also applies the
-  # updates): they agree to float32 rounding, about 1e-5 relative on the worst-conditioned block.
+  # updates): they agree to float32 rounding, about 1e-5 relative on the worst-conditioned block
+  # and 1e-8 absolute on updates of up to 0.07 (a step without the statistics differs by 1e-2).
+  _assert_trees_close(new.params, optax.apply_updates(params, updates), rtol=1e-6, atol=1e-7)
   _assert_trees_close(new.opt_state, opt_state, rtol=1e-4, atol=1e-8)
   assert new.tx is tx and int(new.step) == 1
   # A plain step: the stored inverses, no refresh.
   plain = jax.jit(lambda s, g: s.apply_gradients(grads=g))(new, grads)
   updates2, _ = jax.jit(lambda g, s, p: tx.update(g, s, p))(grads, opt_state, new.params)
   _assert_trees_close(plain.params, optax.apply_updates(new.params, updates2),
-                      rtol=1e-6, atol=1e-8)
+                      rtol=1e-6, atol=1e-7)
   assert int(_kronecker(plain.opt_state)["Conv_0"].total_refreshes) == int(
       _kronecker(new.opt_state)["Conv_0"].total_refreshes)
 
