@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Union
 import optax
 
 from thor_optax._src import finite
+from thor_optax._src import inverses
 from thor_optax._src import kl_clip
 from thor_optax._src import transform
 from thor_optax._src import weight_rescaling
@@ -218,7 +219,7 @@ def thor(
   """
   _check_settings(learning_rate, damping, momentum, weight_decay)
   if pi_damping is None:  # eigh damps A (x) G exactly: no split
-    pi_damping = inverse_method != "eigh"
+    pi_damping = inverses.damps_factors_separately(inverse_method)
   return _guarded(skip_not_finite, optax.chain(
       _preconditioner(transform.scale_by_thor(
           damping, block_size=block_size, trace_thresholds=trace_thresholds, ema_decay=ema_decay,
