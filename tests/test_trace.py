@@ -125,6 +125,62 @@ def test_known_trace_jump_refreshes_exactly_the_blocks_that_jumped():
   np.testing.assert_array_equal(changed, expected)
 
 
+def test_bounded_rule_refreshes_a_block_skipped_max_stale_checks_in_a_row():
+  # Unchanged traces: THOR's rule keeps every stale inverse; the bound refreshes a live block
+  # after K skipped checks. Block 2 has invalid statistics at checks 2-4 (its count waits),
+  # block 3 is frozen from the start.
+  policy = trace.TraceRule(0.01, 0.0, max_stale_checks=2)
+  state = policy.init(4, jnp.float32)._replace(frozen=jnp.array([False, False, False, True]))
+  ref, now = jnp.zeros(4), jnp.ones(4)
+  pattern = []
+  for check in range(7):
+    valid = jnp.array([True, True, not 1 <= check <= 3, True])
+    sel = policy.select(now, ref, state, valid, jnp.int32(check))
+    ref = jnp.where(sel.refresh, now, ref)
+    state = sel.state
+    pattern.append(np.asarray(sel.refresh).astype(int).tolist())
+  np.testing.assert_array_equal(np.array(pattern).T, [
+      [1, 0, 0, 1, 0, 0, 1],
+      [1, 0, 0, 1, 0, 0, 1],
+      [1, 0, 0, 0, 0, 0, 1],
+      [0, 0, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(state.skipped, [0, 0, 0, 0])
+
+
+def _rotated(x, seed, sizes):
+  """``x`` with its columns turned by a random rotation inside each block of ``sizes``:
+  every block's trace is kept, its covariance is not (as a LayerNorm's output turns)."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(sizes))
+  qs = [jnp.linalg.qr(jax.random.normal(k, (n, n)))[0] for k, n in zip(keys, sizes)]
+  return x @ jax.scipy.linalg.block_diag(*qs)
+
+
+def test_bounded_rule_in_the_transform_refreshes_stale_blocks_exactly():
+  # Batches whose block traces agree but whose covariances do not: the trace rule alone
+  # refreshes nothing after the first check; with max_stale_checks=1 every block is refreshed
+  # at every second check, to the inverses a fresh state's first check gives that batch.
+  a, g = _data(0)
+  seq = [_stats(a, g)] + [_stats(_rotated(a, k, [4, 4, 4]), _rotated(g, 10 + k, [4, 2]))
+                          for k in range(1, 5)]
+  plain = _run_checks(thor_optax.scale_by_thor(0.1, block_size=B), seq)
+  np.testing.assert_array_equal(_refreshed_per_check(plain), [5, 0, 0, 0, 0])
+  states = _run_checks(thor_optax.scale_by_thor(0.1, block_size=B, max_stale_checks=1), seq)
+  np.testing.assert_array_equal(_refreshed_per_check(states), [5, 0, 5, 0, 5])
+  fresh = inverse_blocks(_run_checks(thor_optax.scale_by_thor(0.1, block_size=B), seq[2:3])[0])
+  for g_ in fresh:
+    assert not np.allclose(inverse_blocks(plain[2])[g_], fresh[g_], atol=1e-3)
+    np.testing.assert_allclose(inverse_blocks(states[2])[g_], fresh[g_], rtol=1e-6, atol=1e-7)
+  assert set(stack_field(states[-1], "policy", "skipped")) == set(fresh)
+  assert not stack_field(plain[-1], "policy", "skipped")  # the state is sized to the option
+  assert "max_stale_checks=1" in trace.TraceRule(0.01, 0.0, 1).describe()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_max_stale_checks_must_be_a_count(bad):
+  with pytest.raises(ValueError, match=r"trace_rule\.py.*max_stale_checks"):
+    thor_optax.thor(0.1, max_stale_checks=bad)
+
+
 def test_running_average_blends_the_blocks_the_rule_refreshes():
   """``ema_decay`` (the ``thor`` alias's default 0.95): a refreshed block inverts ``0.95 old +
   0.05 new``; a block the trace rule skips keeps its factor and inverse."""

@@ -93,6 +93,7 @@ def thor(
     weight_decay_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     block_size: Optional[int] = 128,
     trace_thresholds: tuple[float, float] = (0.01, 0.0),
+    max_stale_checks: Optional[int] = None,
     ema_decay: Optional[float] = 0.95,
     ema_rows_ratio: Optional[float] = 4.0,
     pi_damping: Optional[bool] = None,
@@ -125,7 +126,7 @@ def thor(
       (README, "Which of THOR's approximations costs steps").
     weight_decay: coefficient added to the preconditioned gradient (the paper: 5e-4).
     weight_decay_mask: optax mask (tree or callable) of the parameters that decay.
-    block_size, trace_thresholds, inverse_method: see :func:`scale_by_thor`.
+    block_size, trace_thresholds, max_stale_checks, inverse_method: see :func:`scale_by_thor`.
     pi_damping: split the damping by K-FAC's pi rule (:func:`scale_by_thor`): ``pi sqrt(lambda)``
       to ``A`` and ``sqrt(lambda) / pi`` to ``G``, ``pi = sqrt((tr A / d_A) / (tr G / d_G))``
       clipped by ``max_pi``; ``False``: THOR's equal split, ``sqrt(lambda)`` to each. ``None``
@@ -222,7 +223,8 @@ def thor(
     pi_damping = inverses.damps_factors_separately(inverse_method)
   return _guarded(skip_not_finite, optax.chain(
       _preconditioner(transform.scale_by_thor(
-          damping, block_size=block_size, trace_thresholds=trace_thresholds, ema_decay=ema_decay,
+          damping, block_size=block_size, trace_thresholds=trace_thresholds,
+          max_stale_checks=max_stale_checks, ema_decay=ema_decay,
           ema_rows_ratio=ema_rows_ratio, pi_damping=pi_damping, max_pi=max_pi,
           min_relative_damping=min_relative_damping, inverse_method=inverse_method,
           block_sharding=block_sharding,
