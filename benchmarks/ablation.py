@@ -7,48 +7,74 @@ current-batch factors, 128-blocks, the trace rule, and checks at a growing inter
 Nesterov momentum instead of heavy-ball, splits the damping by K-FAC's pi rule with ``pi``
 clipped to ``[1/5, 5]`` and each block's damping floored at its mean eigenvalue, and bounds
 its KL clip at 3e-2 (what this ablation found). ``kfac`` and THOR's paper split the damping
-equally, ``sqrt(lambda)`` per factor. This script trains the MNIST models of
-``benchmarks/mnist.py`` (same data, models, batches and evaluation) with:
+equally, ``sqrt(lambda)`` per factor. This script trains, with:
 
 * the *path* from ``kfac`` to THOR as in its paper (``+growing``) and on to ``thor``'s
   defaults (``+average``, ``+nesterov``, ``+pi``, then ``thor``), each row changing one choice
   of the one above (``+pi``: the damping split and its floor together);
 * *leave-one-out* rows: ``thor`` with one choice set back to K-FAC's;
-* SGD-momentum, Adam and Muon at their tuned rates, for the goals (THOR's steps at most
-  kfac's and Muon's; its best accuracy within 0.2 points of the best first-order optimizer's).
+* the first-order optimizers of each benchmark at their tuned rates, for the goals (THOR's
+  steps at most kfac's and Muon's; its best result within 0.2 points of the best first-order
+  optimizer's): SGD-momentum, Adam and Muon on MNIST, AdamW and Muon on the language model,
 
-Every second-order row runs at the tuned THOR / K-FAC learning rate and damping of the task
-(``mnist.DEFAULT_LEARNING_RATE``: they are the same for both), with every other setting the
-alias's default, so a row differs from the one it is compared with in one choice only. Each row
-runs ``--seeds`` seeds; a seed ``s`` sets the initial parameters and the batch order
-(``mnist.init_variables(..., s)``, ``mnist.batch_order(..., s)``); the train / test split is
-fixed. The table prints, per row, the steps to each test-accuracy target for every seed (``-``:
-not reached), the mean best and final test accuracy over the seeds (evaluated every
-``--eval-every`` steps) and the mean training seconds (on a quiet machine; contention inflates
-them, steps are unaffected).
+the tasks
 
-Run (2 tasks x 21 rows x 3 seeds; about 45 minutes on a 2-core CPU shared with other jobs)::
+* ``mlp`` and ``cnn``: the MNIST models of ``benchmarks/mnist.py`` (same data, models, batches
+  and evaluation; targets are test accuracies; 200 and 300 steps);
+* ``lm``: the character-level transformer of ``benchmarks/lm.py`` with that script's defaults
+  (2 scanned pre-LayerNorm blocks of width 128, attention preconditioned, 300 steps of 8 x 128
+  characters, the warm-up + cosine learning-rate schedule of every optimizer there; targets are
+  validation bits per character, lower is better).
+
+Every second-order row runs at the tuned THOR learning rate and damping of the task
+(``mnist.DEFAULT_LEARNING_RATE`` / ``lm.DEFAULT_LEARNING_RATE`` and ``DEFAULT_DAMPING``; on
+MNIST K-FAC's tuned values are the same), with every other setting the alias's default, so a
+row differs from the one it is compared with in one choice only. A *growing* row checks at the
+task's THOR schedule: ``growing_interval(5, 50, 200)`` on MNIST (``mnist.DEFAULT_CHECKS``),
+``growing_interval(2, 20, 200)`` on the language model (``lm.DEFAULT_CHECKS``). Each row runs
+``--seeds`` seeds; a seed ``s`` sets the initial parameters and the batch order
+(``mnist.init_variables(..., s)`` and ``mnist.batch_order(..., s)``; ``model.init(PRNGKey(s))``
+and ``lm.batch_offsets(..., s)``); the train / test split and the validation text are fixed.
+The table prints, per row, the steps to each target for every seed (``-``: not reached), the
+mean best and final result over the seeds (evaluated every ``--eval-every`` steps), the median
+check step (ms) and the mean training seconds (on a quiet machine; contention inflates them,
+steps are unaffected).
+
+Run (MNIST: 2 tasks x 22 rows x 3 seeds, about 45 minutes on a 2-core CPU shared with other
+jobs; the language model: about 1.5 minutes a row and seed, ``kfac``'s check at every step
+about 4)::
 
   python3 benchmarks/ablation.py
   python3 benchmarks/ablation.py --tasks cnn --rows kfac thor --seeds 0 1 2 3 4
   python3 benchmarks/ablation.py --rows thor-pi --learning-rate 0.0646 --damping 0.1
+  python3 benchmarks/ablation.py --tasks lm --seeds 0 --rows kfac +current +blocks +trace \
+      +growing +average +nesterov +pi thor adamw muon
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from typing import Any, Callable, Optional
 
+import jax
 import numpy as np
 
 import thor_optax
 
+import lm  # benchmarks/lm.py, beside this script
 import mnist  # benchmarks/mnist.py, beside this script
 import options
 
-GROWING = (5, 50, 200)  # THOR's check schedule in mnist.py: growing_interval(5, 50, 200)
+MNIST_TASKS = ("mlp", "cnn")
+TASKS = MNIST_TASKS + ("lm",)
+
+# A row's `checks` for THOR's growing interval: the task's own schedule (GROWING_INTERVAL).
+GROWING = "growing"
+GROWING_INTERVAL = {"mlp": mnist.DEFAULT_CHECKS["thor"], "cnn": mnist.DEFAULT_CHECKS["thor"],
+                    "lm": lm.DEFAULT_CHECKS["thor"]}
 
 
 class Row:
@@ -56,22 +82,27 @@ class Row:
 
   Attributes:
     name: the row's label.
-    make: ``make(learning_rate, damping) -> optax transform`` (second-order), or ``None`` for a
-      first-order optimizer of ``mnist.py`` (``name`` is then its name there).
-    checks: check schedule (``mnist.DEFAULT_CHECKS`` format), ``None`` for first-order.
+    make: ``make(learning_rate, damping, **extra) -> optax transform`` (second-order; ``extra``
+      is ``precondition_mask`` on the language model), or ``None`` for a first-order optimizer
+      of ``mnist.py`` / ``lm.py`` (``name`` is then its name there).
+    checks: check schedule (``mnist.DEFAULT_CHECKS`` format, or :data:`GROWING` for the task's
+      growing interval), ``None`` for first-order.
     what: the choice the row changes, for the table's legend.
+    tasks: the tasks the row runs on (``None``: every task).
   """
 
-  def __init__(self, name: str, make: Optional[Callable], checks: Any, what: str):
+  def __init__(self, name: str, make: Optional[Callable], checks: Any, what: str,
+               tasks: Optional[tuple] = None):
     self.name, self.make, self.checks, self.what = name, make, checks, what
+    self.tasks = TASKS if tasks is None else tasks
 
 
 def _kfac(**kw):
-  return lambda lr, damping: thor_optax.kfac(lr, damping, **kw)
+  return lambda lr, damping, **extra: thor_optax.kfac(lr, damping, **kw, **extra)
 
 
 def _thor(**kw):
-  return lambda lr, damping: thor_optax.thor(lr, damping, **kw)
+  return lambda lr, damping, **extra: thor_optax.thor(lr, damping, **kw, **extra)
 
 
 # thor's damping and KL clip before the pi default: sqrt(lambda) to each factor (THOR's
@@ -89,9 +120,9 @@ ROWS = (
     Row("+trace", _thor(ema_decay=None, nesterov=False, **EQUAL_SPLIT), 1,
         "and THOR's trace rule (0.01, 0), checks every step"),
     Row("+growing", _thor(ema_decay=None, nesterov=False, **EQUAL_SPLIT), GROWING,
-        "and the growing interval (5, 50, 200): THOR as in its paper (thor_optax.thor(..., "
-        "ema_decay=None, nesterov=False, pi_damping=False, min_relative_damping=0.1, "
-        "max_kl=1e-2))"),
+        "and the growing interval (MNIST (5, 50, 200), LM (2, 20, 200)): THOR as in its paper "
+        "(thor_optax.thor(..., ema_decay=None, nesterov=False, pi_damping=False, "
+        "min_relative_damping=0.1, max_kl=1e-2))"),
     Row("+average", _thor(nesterov=False, **EQUAL_SPLIT), GROWING,
         "and a running average (0.95) across refreshes of each block formed from fewer than 4 "
         "rows per dimension"),
@@ -101,13 +132,15 @@ ROWS = (
     Row("+pi", _thor(max_kl=1e-2), GROWING, "and the pi rule, pi clipped to [1/5, 5], with "
         "each block's damping at least its mean eigenvalue (min_relative_damping=1, not 0.1)"),
     Row("thor", _thor(), GROWING, "and the KL clip's bound 3e-2 instead of the other aliases' "
-        "1e-2: thor_optax.thor's defaults, as in mnist.py"),
+        "1e-2: thor_optax.thor's defaults, as in mnist.py and lm.py"),
     # Leave one out: thor with one choice set back to K-FAC's.
     Row("thor-all", _thor(ema_rows_ratio=None), GROWING, "thor averaging every block, also "
         "those formed from many rows (K-FAC's running average)"),
     Row("thor-whole", _thor(block_size=None), GROWING, "thor with whole factors"),
     Row("thor-every", _thor(trace_thresholds=(0.0, 0.0)), GROWING,
         "thor refreshing every block at every check (trace_thresholds=(0, 0))"),
+    Row("thor-stale1", _thor(max_stale_checks=1), GROWING, "thor refreshing every block "
+        "skipped at the check before, whatever its trace (max_stale_checks=1)"),
     Row("kfac-growing", _kfac(), GROWING, "kfac at THOR's growing interval"),
     Row("kfac-pi", _kfac(pi_damping=True), 1, "kfac with K-FAC's pi rule for the damping split"),
     Row("thor-pi", _thor(max_pi=None), GROWING, "thor with the pi rule unclipped"),
@@ -116,81 +149,173 @@ ROWS = (
         "damping floor, a tenth of each block's mean eigenvalue"),
     Row("thor-equal", _thor(pi_damping=False), GROWING, "thor with THOR's equal damping split "
         "(pi_damping=False)"),
-    # First-order references at their tuned rates (mnist.DEFAULT_LEARNING_RATE).
-    Row("sgd", None, None, "optax.sgd, momentum 0.9"),
-    Row("adam", None, None, "optax.adam"),
-    Row("muon", None, None, "optax.contrib.muon (Adam for the output layer and biases)"),
+    # First-order references at their tuned rates (mnist / lm DEFAULT_LEARNING_RATE).
+    Row("sgd", None, None, "optax.sgd, momentum 0.9", MNIST_TASKS),
+    Row("adam", None, None, "optax.adam", MNIST_TASKS),
+    Row("adamw", None, None, "optax.adamw (weight decay 1e-4), lm.py's schedule", ("lm",)),
+    Row("muon", None, None, "optax.contrib.muon (Adam for the output layer, embeddings, biases "
+        "and norms)"),
 )
 ROW_NAMES = tuple(row.name for row in ROWS)
 
 
-def run_row(row: Row, task: str, seed: int, train_set: mnist.Split, test_set: mnist.Split,
-            steps: int, batch_size: int, eval_every: int, learning_rate: Optional[float] = None,
-            damping: Optional[float] = None) -> dict:
-  """One row on one task and seed: steps to each target, best and final test accuracy.
+def checks_of(row: Row, task: str) -> Any:
+  """The row's check schedule on ``task`` (``mnist.DEFAULT_CHECKS`` format)."""
+  return GROWING_INTERVAL[task] if row.checks == GROWING else row.checks
 
-  ``learning_rate`` / ``damping`` replace the task's tuned THOR values for a second-order row
-  (``None``: ``mnist.DEFAULT_LEARNING_RATE`` / ``DEFAULT_DAMPING``)."""
-  model = mnist.MODELS[task]()
-  variables = mnist.init_variables(model, train_set.x[:1], seed)
-  batches = mnist.batch_order(len(train_set.y), batch_size, steps, seed)
-  rates = mnist.DEFAULT_LEARNING_RATE[task]
-  if row.make is None:
-    cfg = mnist.Config(row.name, rates[row.name], batch_size=batch_size,
-                       adam_learning_rate=rates["adam"] if row.name == "muon" else None)
-    optimizer = None
-  else:
-    lr = rates["thor"] if learning_rate is None else learning_rate
-    damping = mnist.DEFAULT_DAMPING[task]["thor"] if damping is None else damping
-    cfg = mnist.Config("thor", lr, damping, checks=row.checks, batch_size=batch_size)
-    optimizer = (row.make(lr, damping), options.check_schedule(row.checks))
-  start = time.perf_counter()
-  history = mnist.train(model, variables, cfg, train_set, test_set, batches, eval_every,
-                        desc=f"{task} {row.name} seed {seed}", optimizer=optimizer)
-  targets = mnist.TARGETS[task]
+
+def _record(row: Row, task: str, seed: int, history: Any, start: float) -> dict:
+  """The JSON-ready record of one run: steps to each target, best and final result, times."""
+  lower = task == "lm"  # bits per character: lower is better
+  targets = lm.DEFAULT_TARGETS if lower else mnist.TARGETS[task]
+  reached = (lambda v, t: v <= t) if lower else (lambda v, t: v >= t)
+  values = [v for _, _, v in history.curve]
+  check_ms = [ms for ms, c in zip(history.step_ms, history.is_check) if c]
   return {
       "task": task, "row": row.name, "seed": seed,
-      "steps_to": {str(t): next((s for s, _, acc in history.curve if acc >= t), None)
+      "metric": "validation bits per character" if lower else "test accuracy",
+      "steps_to": {str(t): next((s for s, _, v in history.curve if reached(v, t)), None)
                    for t in targets},
-      "best_test_acc": max(acc for _, _, acc in history.curve),
-      "final_test_acc": history.curve[-1][2],
+      "best": min(values) if lower else max(values),
+      "final": values[-1],
+      "num_checks": len(check_ms),
+      "check_ms": float(np.median(check_ms)) if check_ms else None,
       "train_seconds": float(np.sum(history.step_ms) / 1e3),
       "wall_seconds": time.perf_counter() - start,
   }
 
 
+def run_row(row: Row, task: str, seed: int, data: Any, steps: Optional[int] = None,
+            eval_every: Optional[int] = None, learning_rate: Optional[float] = None,
+            damping: Optional[float] = None) -> dict:
+  """One row on one task and seed: steps to each target, best and final result.
+
+  Args:
+    row: the row.
+    task: ``'mlp'``, ``'cnn'`` or ``'lm'``.
+    seed: seed of the initial parameters and of the batch order.
+    data: :func:`load_data` of the task.
+    steps: training steps (``None``: ``mnist.DEFAULT_STEPS[task]`` / ``lm.DEFAULT_STEPS``).
+    eval_every: steps between evaluations (``None``: 10 on MNIST, 20 on the language model).
+    learning_rate, damping: replace the task's tuned THOR values for a second-order row
+      (``None``: ``DEFAULT_LEARNING_RATE`` / ``DEFAULT_DAMPING`` of ``mnist.py`` or ``lm.py``).
+
+  Returns:
+    the record of :func:`_record`.
+
+  Raises:
+    ValueError: the row does not run on ``task`` (a first-order optimizer of another script).
+  """
+  if task not in row.tasks:
+    raise ValueError(f"benchmarks/ablation.py: row {row.name!r} runs on {row.tasks}, not on "
+                     f"{task!r}; pick rows of this task with --rows")
+  run = _run_lm if task == "lm" else _run_mnist
+  return run(row, task, seed, data, steps, eval_every, learning_rate, damping)
+
+
+def _run_mnist(row, task, seed, data, steps, eval_every, learning_rate, damping) -> dict:
+  """:func:`run_row` on an MNIST model (``data``: ``(train, test)`` splits)."""
+  train_set, test_set = data
+  steps = steps or mnist.DEFAULT_STEPS[task]
+  model = mnist.MODELS[task]()
+  variables = mnist.init_variables(model, train_set.x[:1], seed)
+  batches = mnist.batch_order(len(train_set.y), 128, steps, seed)
+  rates = mnist.DEFAULT_LEARNING_RATE[task]
+  if row.make is None:
+    cfg = mnist.Config(row.name, rates[row.name],
+                       adam_learning_rate=rates["adam"] if row.name == "muon" else None)
+    optimizer = None
+  else:
+    lr = rates["thor"] if learning_rate is None else learning_rate
+    damping = mnist.DEFAULT_DAMPING[task]["thor"] if damping is None else damping
+    checks = checks_of(row, task)
+    cfg = mnist.Config("thor", lr, damping, checks=checks)
+    optimizer = (row.make(lr, damping), options.check_schedule(checks))
+  start = time.perf_counter()
+  history = mnist.train(model, variables, cfg, train_set, test_set, batches, eval_every or 10,
+                        desc=f"{task} {row.name} seed {seed}", optimizer=optimizer)
+  return _record(row, task, seed, history, start)
+
+
+def _run_lm(row, task, seed, data, steps, eval_every, learning_rate, damping) -> dict:
+  """:func:`run_row` on the language model (``data``: :func:`load_data`'s tuple)."""
+  args, corpus, model, val = data
+  steps = steps or lm.DEFAULT_STEPS
+  x0, _ = lm.windows(corpus.train, np.zeros(1, np.int64), args.context)
+  params = jax.jit(model.init)(jax.random.PRNGKey(seed), x0)["params"]
+  offsets = lm.batch_offsets(len(corpus.train), args.context, args.batch_size, steps, seed)
+  if row.make is None:
+    cfg, optimizer = lm.base_config(args, row.name), None
+  else:
+    lr = lm.DEFAULT_LEARNING_RATE["thor"] if learning_rate is None else learning_rate
+    damping = lm.DEFAULT_DAMPING["thor"] if damping is None else damping
+    checks = checks_of(row, task)
+    cfg = lm.Config("thor", lr, damping, checks=checks)
+
+    def optimizer(precondition_mask):
+      tx = row.make(lm.lr_schedule(lr, steps), damping, precondition_mask=precondition_mask)
+      return tx, options.check_schedule(checks)
+  start = time.perf_counter()
+  history = lm.train(model, params, cfg, corpus, offsets, val, args.context, eval_every or 20,
+                     desc=f"lm {row.name} seed {seed}", optimizer=optimizer)
+  return _record(row, task, seed, history, start)
+
+
+@functools.lru_cache(maxsize=None)
+def load_data(task: str) -> Any:
+  """The task's data: MNIST ``(train, test)``, or the language model's ``(lm.py's default
+  arguments, corpus, model, validation windows)``."""
+  if task in MNIST_TASKS:
+    return mnist.load_mnist()
+  args = lm.parse_args([])
+  corpus = lm.load_corpus()
+  model = lm.CharTransformer(vocab_size=len(corpus.vocab), width=args.width,
+                             num_heads=args.heads, num_layers=args.layers, context=args.context)
+  return args, corpus, model, lm.validation_windows(corpus.val, args.context, args.val_windows)
+
+
 def print_table(task: str, records: list, rows: list, steps: int) -> None:
-  """One task's table: per row, steps to each target per seed and mean accuracies."""
-  targets = mnist.TARGETS[task]
-  header = (["row"] + [f"steps>={t:g}" for t in targets]
-            + ["best acc", "final acc", "train s"])
+  """One task's table: per row, steps to each target per seed and mean results."""
+  lower = task == "lm"
+  targets = lm.DEFAULT_TARGETS if lower else mnist.TARGETS[task]
+  kind = "bpc" if lower else "acc"
+  header = (["row"] + [f"steps{'<=' if lower else '>='}{t:g}" for t in targets]
+            + [f"best {kind}", f"final {kind}", "check ms", "train s"])
   lines = []
+  shown = []
   for row in rows:
     mine = [r for r in records if r["row"] == row.name]
     if not mine:
       continue
+    shown.append(row)
     per_target = ["/".join("-" if r["steps_to"][str(t)] is None else str(r["steps_to"][str(t)])
                            for r in mine) for t in targets]
+    check_ms = [r["check_ms"] for r in mine if r["check_ms"] is not None]
     lines.append([row.name] + per_target + [
-        f"{np.mean([r['best_test_acc'] for r in mine]):.4f}",
-        f"{np.mean([r['final_test_acc'] for r in mine]):.4f}",
+        f"{np.mean([r['best'] for r in mine]):.4f}",
+        f"{np.mean([r['final'] for r in mine]):.4f}",
+        f"{np.mean(check_ms):.1f}" if check_ms else "-",
         f"{np.mean([r['train_seconds'] for r in mine]):.1f}"])
   seeds = sorted({r["seed"] for r in records})
-  print(f"\n== {task}: {steps} steps of batch 128, seeds {seeds} (steps per seed, "
-        f"evaluated every {records[0].get('eval_every', '?')} steps) ==")
+  batch = "8 x 128 characters" if lower else "128 digits"
+  print(f"\n== {task}: {steps} steps of {batch}, seeds {seeds} (steps per seed, "
+        f"evaluated every {records[0].get('eval_every', '?')} steps; {records[0]['metric']}) ==")
   print("\n".join(mnist.table_lines(header, lines, left=1)))
-  for row in rows:
+  for row in shown:
     print(f"  {row.name}: {row.what}")
 
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--tasks", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"])
-  p.add_argument("--rows", nargs="+", choices=ROW_NAMES, default=list(ROW_NAMES))
+  p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(MNIST_TASKS),
+                 help="(default: %(default)s; lm: the language model of lm.py)")
+  p.add_argument("--rows", nargs="+", choices=ROW_NAMES, default=list(ROW_NAMES),
+                 help="(default: every row of each task)")
   p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   p.add_argument("--steps", type=int, default=None,
-                 help="training steps (default: mnist.py's per task: mlp 200, cnn 300)")
-  p.add_argument("--eval-every", type=int, default=10, help="(default: %(default)s)")
+                 help="training steps (default: the task's: mlp 200, cnn 300, lm 300)")
+  p.add_argument("--eval-every", type=int, default=None,
+                 help="steps between evaluations (default: MNIST 10, lm 20)")
   p.add_argument("--learning-rate", type=float, default=None,
                  help="the second-order rows' learning rate (default: the task's tuned THOR rate)")
   p.add_argument("--damping", type=float, default=None,
@@ -200,19 +325,20 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   options.apply_lapack_threads(args)
 
-  train_set, test_set = mnist.load_mnist()
-  rows = [row for row in ROWS if row.name in args.rows]
   results = []
   for task in args.tasks:
-    steps = args.steps or mnist.DEFAULT_STEPS[task]
+    rows = [row for row in ROWS if row.name in args.rows and task in row.tasks]
+    steps = args.steps or (lm.DEFAULT_STEPS if task == "lm" else mnist.DEFAULT_STEPS[task])
+    eval_every = args.eval_every or (20 if task == "lm" else 10)
     records = []
     for row in rows:
       for seed in args.seeds:
-        record = run_row(row, task, seed, train_set, test_set, steps, 128, args.eval_every,
+        record = run_row(row, task, seed, load_data(task), steps, eval_every,
                          args.learning_rate, args.damping)
-        record["eval_every"] = args.eval_every
+        record["eval_every"] = eval_every
         records.append(record)
-    print_table(task, records, rows, steps)
+    if records:
+      print_table(task, records, rows, steps)
     results.extend(records)
   if args.out:
     with open(args.out, "w") as f:

@@ -506,7 +506,7 @@ def make_eval(model: nn.Module) -> Callable:
 
 def train(model: nn.Module, params: Any, cfg: Config, corpus: Corpus, offsets: np.ndarray,
           val: tuple[np.ndarray, np.ndarray], context: int, eval_every: int,
-          desc: str = "") -> History:
+          desc: str = "", optimizer: Optional[Callable] = None) -> History:
   """Trains ``model`` from ``params`` with ``cfg``'s optimizer on the batches at ``offsets``.
 
   Each step function is compiled ahead of time (timed); each step is timed up to
@@ -523,6 +523,9 @@ def train(model: nn.Module, params: Any, cfg: Config, corpus: Corpus, offsets: n
     context: characters per window.
     eval_every: steps between evaluations.
     desc: label of the progress bar.
+    optimizer: ``optimizer(precondition_mask) -> (tx, check schedule or None)`` to train with
+      instead of ``make_optimizer(cfg, ...)`` (``benchmarks/ablation.py``: aliases with other
+      settings); the statistics are captured as for ``cfg.optimizer``.
 
   Returns:
     the run's :class:`History`.
@@ -540,7 +543,10 @@ def train(model: nn.Module, params: Any, cfg: Config, corpus: Corpus, offsets: n
     history.unhandled = tuple(stats.unhandled)
     history.preconditioned = preconditioned_fraction(params, stats)
     precondition_mask = thor_optax.captured_mask(stats)
-  tx, schedule = make_optimizer(cfg, num_steps, precondition_mask)
+  if optimizer is None:
+    tx, schedule = make_optimizer(cfg, num_steps, precondition_mask)
+  else:
+    tx, schedule = optimizer(precondition_mask)
   check_step, plain_step = make_steps(model, tx, capture)
   is_check = [schedule is not None and schedule(s) for s in range(num_steps)]
   opt_state = tx.init(params)
