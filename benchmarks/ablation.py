@@ -159,6 +159,21 @@ ROWS = (
 ROW_NAMES = tuple(row.name for row in ROWS)
 
 
+def steps_of(task: str) -> int:
+  """The task's training steps: ``mnist.DEFAULT_STEPS`` (mlp 200, cnn 300), ``lm.DEFAULT_STEPS``."""
+  return lm.DEFAULT_STEPS if task == "lm" else mnist.DEFAULT_STEPS[task]
+
+
+def eval_every_of(task: str) -> int:
+  """Steps between evaluations: 10 on MNIST, ``lm.py``'s 20 on the language model."""
+  return 20 if task == "lm" else 10
+
+
+def targets_of(task: str) -> tuple[tuple, bool]:
+  """The task's targets and whether lower is better (the LM's bits per character)."""
+  return (lm.DEFAULT_TARGETS, True) if task == "lm" else (mnist.TARGETS[task], False)
+
+
 def checks_of(row: Row, task: str) -> Any:
   """The row's check schedule on ``task`` (``mnist.DEFAULT_CHECKS`` format)."""
   return GROWING_INTERVAL[task] if row.checks == GROWING else row.checks
@@ -166,8 +181,7 @@ def checks_of(row: Row, task: str) -> Any:
 
 def _record(row: Row, task: str, seed: int, history: Any, start: float) -> dict:
   """The JSON-ready record of one run: steps to each target, best and final result, times."""
-  lower = task == "lm"  # bits per character: lower is better
-  targets = lm.DEFAULT_TARGETS if lower else mnist.TARGETS[task]
+  targets, lower = targets_of(task)
   reached = (lambda v, t: v <= t) if lower else (lambda v, t: v >= t)
   values = [v for _, _, v in history.curve]
   check_ms = [ms for ms, c in zip(history.step_ms, history.is_check) if c]
@@ -195,8 +209,8 @@ def run_row(row: Row, task: str, seed: int, data: Any, steps: Optional[int] = No
     task: ``'mlp'``, ``'cnn'`` or ``'lm'``.
     seed: seed of the initial parameters and of the batch order.
     data: :func:`load_data` of the task.
-    steps: training steps (``None``: ``mnist.DEFAULT_STEPS[task]`` / ``lm.DEFAULT_STEPS``).
-    eval_every: steps between evaluations (``None``: 10 on MNIST, 20 on the language model).
+    steps: training steps (``None``: :func:`steps_of`).
+    eval_every: steps between evaluations (``None``: :func:`eval_every_of`).
     learning_rate, damping: replace the task's tuned THOR values for a second-order row
       (``None``: ``DEFAULT_LEARNING_RATE`` / ``DEFAULT_DAMPING`` of ``mnist.py`` or ``lm.py``).
 
@@ -210,13 +224,13 @@ def run_row(row: Row, task: str, seed: int, data: Any, steps: Optional[int] = No
     raise ValueError(f"benchmarks/ablation.py: row {row.name!r} runs on {row.tasks}, not on "
                      f"{task!r}; pick rows of this task with --rows")
   run = _run_lm if task == "lm" else _run_mnist
-  return run(row, task, seed, data, steps, eval_every, learning_rate, damping)
+  return run(row, task, seed, data, steps or steps_of(task), eval_every or eval_every_of(task),
+             learning_rate, damping)
 
 
 def _run_mnist(row, task, seed, data, steps, eval_every, learning_rate, damping) -> dict:
   """:func:`run_row` on an MNIST model (``data``: ``(train, test)`` splits)."""
   train_set, test_set = data
-  steps = steps or mnist.DEFAULT_STEPS[task]
   model = mnist.MODELS[task]()
   variables = mnist.init_variables(model, train_set.x[:1], seed)
   batches = mnist.batch_order(len(train_set.y), 128, steps, seed)
@@ -232,7 +246,7 @@ def _run_mnist(row, task, seed, data, steps, eval_every, learning_rate, damping)
     cfg = mnist.Config("thor", lr, damping, checks=checks)
     optimizer = (row.make(lr, damping), options.check_schedule(checks))
   start = time.perf_counter()
-  history = mnist.train(model, variables, cfg, train_set, test_set, batches, eval_every or 10,
+  history = mnist.train(model, variables, cfg, train_set, test_set, batches, eval_every,
                         desc=f"{task} {row.name} seed {seed}", optimizer=optimizer)
   return _record(row, task, seed, history, start)
 
@@ -240,7 +254,6 @@ def _run_mnist(row, task, seed, data, steps, eval_every, learning_rate, damping)
 def _run_lm(row, task, seed, data, steps, eval_every, learning_rate, damping) -> dict:
   """:func:`run_row` on the language model (``data``: :func:`load_data`'s tuple)."""
   args, corpus, model, val = data
-  steps = steps or lm.DEFAULT_STEPS
   x0, _ = lm.windows(corpus.train, np.zeros(1, np.int64), args.context)
   params = jax.jit(model.init)(jax.random.PRNGKey(seed), x0)["params"]
   offsets = lm.batch_offsets(len(corpus.train), args.context, args.batch_size, steps, seed)
@@ -256,7 +269,7 @@ def _run_lm(row, task, seed, data, steps, eval_every, learning_rate, damping) ->
       tx = row.make(lm.lr_schedule(lr, steps), damping, precondition_mask=precondition_mask)
       return tx, options.check_schedule(checks)
   start = time.perf_counter()
-  history = lm.train(model, params, cfg, corpus, offsets, val, args.context, eval_every or 20,
+  history = lm.train(model, params, cfg, corpus, offsets, val, args.context, eval_every,
                      desc=f"lm {row.name} seed {seed}", optimizer=optimizer)
   return _record(row, task, seed, history, start)
 
@@ -276,8 +289,7 @@ def load_data(task: str) -> Any:
 
 def print_table(task: str, records: list, rows: list, steps: int) -> None:
   """One task's table: per row, steps to each target per seed and mean results."""
-  lower = task == "lm"
-  targets = lm.DEFAULT_TARGETS if lower else mnist.TARGETS[task]
+  targets, lower = targets_of(task)
   kind = "bpc" if lower else "acc"
   header = (["row"] + [f"steps{'<=' if lower else '>='}{t:g}" for t in targets]
             + [f"best {kind}", f"final {kind}", "check ms", "train s"])
@@ -328,8 +340,8 @@ def main(argv=None) -> None:
   results = []
   for task in args.tasks:
     rows = [row for row in ROWS if row.name in args.rows and task in row.tasks]
-    steps = args.steps or (lm.DEFAULT_STEPS if task == "lm" else mnist.DEFAULT_STEPS[task])
-    eval_every = args.eval_every or (20 if task == "lm" else 10)
+    steps = args.steps or steps_of(task)
+    eval_every = args.eval_every or eval_every_of(task)
     records = []
     for row in rows:
       for seed in args.seeds:
