@@ -41,8 +41,8 @@ check step (ms) and the mean training seconds (on a quiet machine; contention in
 steps are unaffected).
 
 Run (MNIST: 2 tasks x 22 rows x 3 seeds, about 45 minutes on a 2-core CPU shared with other
-jobs; the language model: about 1.5 minutes a row and seed, ``kfac``'s check at every step
-about 4)::
+jobs; the language model: 20 s to 2 minutes a row and seed, the rows checking at every step
+the slowest; 12 rows x 3 seeds took 36 minutes beside the test suite)::
 
   python3 benchmarks/ablation.py
   python3 benchmarks/ablation.py --tasks cnn --rows kfac thor --seeds 0 1 2 3 4
