@@ -166,9 +166,9 @@ def thor(
       steps (80 instead of 60 to 3.8 bits per character, final 3.460 instead of 3.396), and
       with the ratio its blocks are not averaged (final 3.391). The stored factors double the
       factor blocks' memory; the step cost is one blend per refreshed block.
-    Under ``optax.inject_hyperparams`` list ``block_size``, ``ema_decay`` and
-    ``ema_rows_ratio`` in ``static_args``: they fix the state's shapes and which blocks are
-    averaged.
+    Under ``optax.inject_hyperparams`` list ``block_size``, ``ema_decay``, ``ema_rows_ratio``
+    and ``max_stale_checks`` in ``static_args``: they fix the state's shapes and which blocks
+    are averaged or refreshed.
     block_sharding: shard the inversion work over a mesh axis; see :func:`scale_by_thor`.
     axis_name: under ``jax.pmap(..., axis_name=...)``, that name: check steps average the
       curvature statistics across replicas; see :func:`scale_by_thor`.

@@ -96,7 +96,8 @@ def check_max_stale(max_stale_checks) -> None:
       or max_stale_checks < 0):
     raise ValueError(
         "thor_optax (refresh/trace_rule.py): max_stale_checks must be None or a Python int "
-        f">= 0 (checks a block may be skipped in a row), got {max_stale_checks!r}")
+        f">= 0 (checks a block may be skipped in a row; under optax.inject_hyperparams list "
+        f"it in static_args), got {max_stale_checks!r}")
 
 
 class TraceRuleState(NamedTuple):
