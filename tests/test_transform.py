@@ -271,7 +271,6 @@ def test_thor_alias_passes_max_pi(setup):
   assert not np.allclose(other["Dense_1"]["kernel"], got["Dense_1"]["kernel"], rtol=1e-4)
 
 
-
 def test_thor_alias_splits_damping_by_pi_except_for_eigh(setup):
   params, grads, stats = setup
   kw = dict(momentum=0.0, block_size=4, max_kl=None)
@@ -295,6 +294,7 @@ def test_thor_alias_splits_damping_by_pi_except_for_eigh(setup):
                  first_update(inverse_method="eigh", pi_damping=False), rtol=1e-6, atol=1e-7)
   with pytest.raises(ValueError, match="pi_damping"):
     thor_optax.thor(1.0, 0.05, inverse_method="eigh", pi_damping=True)
+
 
 def test_layers_without_statistics_pass_through(setup):
   params, grads, stats = setup

@@ -26,13 +26,13 @@ METHODS = {
 }
 
 
-
 def damps_factors_separately(name: str) -> bool:
   """Whether the inverse method ``name`` adds separate damping to ``A`` and ``G`` (it provides
   ``'factored damping'``, what the pi rule needs); ``'eigh'`` damps ``A (x) G`` exactly. An
   unknown name gives True: :func:`make` raises for it."""
   cls = METHODS.get(name, (base.InverseMethod, None))[0]
   return "factored damping" in cls.provides
+
 
 def make(name: str, woodbury_rows: Optional[int] = None) -> base.InverseMethod:
   """The inverse method ``name`` (``inverse_method=``), with ``woodbury_rows`` where it applies.
