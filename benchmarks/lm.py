@@ -833,19 +833,6 @@ def tune(args: argparse.Namespace, model: nn.Module, params: Any, corpus: Corpus
           + f"  -> {what} {value:g}{edge}", flush=True)
     return value
 
-  def search_lr(name: str, base: Config) -> dict:
-    """Scores of the learning-rate grid at ``base``'s damping, extended past a best edge."""
-    grid = [float(f"{TUNE_CENTRE[name] * 10 ** e:.3g}") for e in np.linspace(-1, 1, 7)]
-    scores = {lr: score(dataclasses.replace(base, learning_rate=lr)) for lr in grid}
-    for _ in range(3):
-      lr = min(scores, key=lambda k: scores[k])
-      if lr not in (min(scores), max(scores)):
-        break
-      factor = 10 ** (1 / 3) if lr == max(scores) else 10 ** (-1 / 3)
-      new = float(f"{lr * factor:.3g}")
-      scores[new] = score(dataclasses.replace(base, learning_rate=new))
-    return scores
-
   for name in names:
     base = base_config(args, name)
     if name == "muon" and "adamw" in chosen:
@@ -853,20 +840,13 @@ def tune(args: argparse.Namespace, model: nn.Module, params: Any, corpus: Corpus
     if name not in SECOND_ORDER or not args.tune_damping:
       if name in SECOND_ORDER:
         base = dataclasses.replace(base, damping=TUNE_BASE_DAMPING)
-      chosen[name] = {"learning_rate": best(name, "lr", search_lr(name, base))}
+      chosen[name] = {"learning_rate": best(name, "lr", options.search_rates(
+          score, base, TUNE_CENTRE[name], key=float))}
       continue
-    # Learning rate and damping jointly: the best rate moves with the damping (a smaller
-    # damping takes larger steps), so a rate tuned at one damping misses the joint optimum.
-    grid = {}
-    for d in TUNE_DAMPING_GRID:
-      grid.update({(lr, d): v for lr, v in
-                   search_lr(name, dataclasses.replace(base, damping=d)).items()})
-      best(name, f"lr (damping {d:g})", {lr: v for (lr, dd), v in grid.items() if dd == d})
-    lr, d = min(grid, key=lambda k: grid[k])
-    for factor in (10 ** -0.5, 10 ** 0.5):  # half a decade either side of the chosen damping
-      key = (lr, float(f"{d * factor:.3g}"))
-      grid[key] = score(dataclasses.replace(base, learning_rate=key[0], damping=key[1]))
-    lr, d = min(grid, key=lambda k: grid[k])
+    lr, d, grid = options.search_rate_and_damping(
+        score, base, TUNE_CENTRE[name], TUNE_DAMPING_GRID, key=float,
+        report=lambda damping, scores, name=name: best(name, f"lr (damping {damping:g})",
+                                                       scores))
     print(f"[tune] {name} lr x damping -> lr {lr:g}, damping {d:g} (mean {grid[lr, d]:.4f})",
           flush=True)
     chosen[name] = {"learning_rate": lr, "damping": d}

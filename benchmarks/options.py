@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Union
+import dataclasses
+from typing import Any, Callable, Union
+
+import numpy as np
 
 import thor_optax
 
@@ -76,3 +79,51 @@ def parse_checks(p: argparse.ArgumentParser, items: list, default_checks: dict,
               f"{second_order}")
     checks[name] = values[0] if len(values) == 1 else values
   return checks
+
+
+def search_rates(score: Callable[[Any], Any], base: Any, centre: float,
+                 key: Callable[[Any], float]) -> dict:
+  """``--tune``'s learning-rate grid at ``base``'s other settings: ``{rate: score}``.
+
+  The rates are ``centre * 10 ** linspace(-1, 1, 7)`` (7 values over a factor of 100, rounded
+  to 3 digits), each scored by ``score(dataclasses.replace(base, learning_rate=rate))``; a best
+  rate (lowest ``key(score)``) on the edge of the grid is extended on that side by the grid's
+  factor ``10 ** (1/3)``, up to 3 more rates, until the best one is interior.
+  """
+  rates = [float(f"{centre * 10 ** e:.3g}") for e in np.linspace(-1, 1, 7)]
+  scores = {lr: score(dataclasses.replace(base, learning_rate=lr)) for lr in rates}
+  for _ in range(3):
+    lr = min(scores, key=lambda k: key(scores[k]))
+    if lr not in (min(scores), max(scores)):
+      break
+    factor = 10 ** (1 / 3) if lr == max(scores) else 10 ** (-1 / 3)
+    new = float(f"{lr * factor:.3g}")
+    scores[new] = score(dataclasses.replace(base, learning_rate=new))
+  return scores
+
+
+def search_rate_and_damping(score: Callable[[Any], Any], base: Any, centre: float,
+                            dampings: tuple[float, ...], key: Callable[[Any], float],
+                            report: Callable[[float, dict], Any]) -> tuple[float, float, dict]:
+  """``--tune``'s joint search of a second-order optimizer's learning rate and damping.
+
+  The best rate moves with the damping (a smaller damping takes larger steps and wants a smaller
+  rate), so a rate tuned at one damping and a damping tuned at that rate miss the joint optimum.
+  This searches :func:`search_rates` at every damping of ``dampings`` (``report(damping,
+  scores)`` after each), then half a decade either side of the best damping at the best rate.
+
+  Returns:
+    ``(rate, damping, {(rate, damping): score})``: the pair of lowest ``key(score)`` and every
+    score.
+  """
+  grid = {}
+  for d in dampings:
+    scores = search_rates(score, dataclasses.replace(base, damping=d), centre, key)
+    report(d, scores)
+    grid.update({(lr, d): v for lr, v in scores.items()})
+  lr, d = min(grid, key=lambda k: key(grid[k]))
+  for factor in (10 ** -0.5, 10 ** 0.5):
+    pair = (lr, float(f"{d * factor:.3g}"))
+    grid[pair] = score(dataclasses.replace(base, learning_rate=pair[0], damping=pair[1]))
+  lr, d = min(grid, key=lambda k: key(grid[k]))
+  return lr, d, grid
