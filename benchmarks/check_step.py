@@ -42,9 +42,18 @@ Three tables per model (the MLP and the CNN of ``benchmarks/mnist.py``, real MNI
    smaller than ``d_G``, ``G^-1`` when smaller than ``d_A``), as multiples of an SGD step;
    a reader sees where each form wins.
 
+5. **What a plain step pays for** (``--tables parts``): the alias's plain step from the rows
+   (``thor_optax.thor``, after one check) against the same step without the KL clip
+   (``max_kl=None``), without the guard against non-finite steps (``skip_not_finite=False``),
+   and without both and with heavy-ball momentum (the bare preconditioner and momentum SGD),
+   each timed in interleaved rounds with an SGD step (``timing.interleaved_ms``), with XLA's
+   FLOP count (``compile().cost_analysis()``) and the number of fused kernels of each compiled
+   step. The difference between two rows is what the option costs.
+
 Run::
 
     python3 benchmarks/check_step.py
+    python3 benchmarks/check_step.py --tables parts --repeats 30
     python3 benchmarks/check_step.py --tasks mlp --block-size 64 --block-sizes 32 64 128 --repeats 50
     git worktree add /tmp/before <commit>
     python3 benchmarks/check_step.py --tables steps --compare /tmp/before --rounds 3
@@ -176,6 +185,49 @@ def steps_table(setup: Setup, block_size: int) -> dict[str, float]:
   return out
 
 
+PARTS = (("thor plain (rows)", {}),
+         ("  without the KL clip", dict(max_kl=None)),
+         ("  without the guard", dict(skip_not_finite=False)),
+         ("  without both, heavy-ball", dict(max_kl=None, skip_not_finite=False,
+                                             nesterov=False)))
+
+
+def parts_table(setup: Setup, block_size: int) -> list[tuple[str, float, float, int]]:
+  """Table 5: ``(step, ms, MFLOPs, fused kernels)`` of SGD and of THOR's plain step from the
+  rows with and without its KL clip and guard (:data:`PARTS`), timed in interleaved rounds."""
+  variables = {"params": setup.params}
+  steps = {}
+  for name, kwargs in (("sgd", None),) + PARTS:
+    if kwargs is None:
+      tx = optax.sgd(0.05, momentum=0.9)
+      _, step = mnist.make_steps(setup.model, tx, sample_space=False)
+      state = tx.init(setup.params)
+    else:
+      tx = thor_optax.thor(0.05, DAMPING, block_size=block_size, **kwargs)
+      check, step = mnist.make_steps(setup.model, tx, sample_space=True)
+      _, state, _ = check(variables, tx.init(setup.params), setup.x, setup.y)  # inverses
+    args = (variables, state, setup.x, setup.y)
+    steps[name] = (step.lower(*args).compile(), args)
+  ms = interleaved_ms({name: (lambda c=c, a=a: c(*a)) for name, (c, a) in steps.items()},
+                      setup.repeats)
+  rows = []
+  for name, (compiled, _) in steps.items():
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    rows.append((name, ms[name], cost.get("flops", float("nan")) / 1e6,
+                 compiled.as_text().count(" fusion(")))
+  return rows
+
+
+def print_parts_table(setup: Setup, task: str, block_size: int) -> None:
+  print(f"\n[{task}] 5. what THOR's plain step pays for (block size {block_size}; interleaved)")
+  print(f"{'step':28s} {'ms':>8s} {'x SGD':>7s} {'MFLOPs':>8s} {'kernels':>8s}")
+  rows = parts_table(setup, block_size)
+  sgd_ms = rows[0][1]
+  for name, ms, mflops, kernels in rows:
+    print(f"{name:28s} {ms:8.3f} {ms / sgd_ms:7.2f} {mflops:8.0f} {kernels:8d}")
+
+
 def compare(args) -> None:
   """Table 3 for this checkout and ``args.compare``, interleaved subprocesses, in one run."""
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -304,7 +356,7 @@ def main(argv=None) -> None:
   parser.add_argument("--batch-size", type=int, default=128)
   parser.add_argument("--repeats", type=int, default=30)
   parser.add_argument("--tables", nargs="+", default=["refresh", "split", "steps", "rows"],
-                      choices=("refresh", "split", "steps", "rows"))
+                      choices=("refresh", "split", "steps", "rows", "parts"))
   parser.add_argument("--widths", type=int, nargs="+", default=[256, 512, 1024],
                       help="hidden widths of table 4")
   parser.add_argument("--batches", type=int, nargs="+", default=[32, 128, 512, 2048],
@@ -335,6 +387,8 @@ def main(argv=None) -> None:
       print_refresh_table(setup, task, args.block_size, args.batch_size)
     if "split" in args.tables:
       print_split_table(setup, task, args.block_sizes)
+    if "parts" in args.tables:
+      print_parts_table(setup, task, args.block_size)
   if "rows" in args.tables:
     print_sample_space_table(args.widths, args.batches, args.block_size, args.repeats)
 
