@@ -40,9 +40,25 @@ Two tables: milliseconds per (method, layout), and the speed-up of split over un
 (``unsplit ms / split ms``) per method. Defaults: widths 256 512 1024 2048 4096, 20 repeats;
 ``--quick`` (smoke run): widths 256 512 1024, 3 repeats.
 
+A third table, ``--forms`` (instead of the two above), answers what the one-block-at-a-time
+CPU path (``linalg.lapack_safe``) costs against two batched forms, for stacks of ``K`` (``--forms-
+blocks``) 128-blocks ``F = X^T X / 128`` damped by their mean eigenvalue times ``floor`` (1:
+``thor``'s ``min_relative_damping``; 0.1: the other aliases'):
+
+* ``loop``: ``linalg.cholesky_inverse`` as the package runs it (on CPU, LAPACK one block at a
+  time);
+* ``batched LAPACK``: the same Cholesky inverse in one batched call, which the package avoids
+  on CPU (concurrent batched calls deadlock XLA's CPU thread pool, ``linalg.lapack_safe``):
+  timed alone, nothing else running;
+* ``Newton-Schulz``: a matmul-only inverse, ``X_0 = I / tr(F)``, ``X <- 2 X - X F X``
+  (``--forms-iterations``), batched GEMMs with no LAPACK call; its relative difference to the
+  Cholesky inverse is printed with its time (quadratic convergence from a start whose error
+  is ``1 - lambda / tr``: the iterations needed grow with ``log(tr / lambda_min)``).
+
 Run::
 
     python3 benchmarks/inversion.py --quick
+    python3 benchmarks/inversion.py --forms
     python3 benchmarks/inversion.py
     python3 benchmarks/inversion.py --widths 1024 4096 --rows 64 --repeats 20
 """
@@ -181,6 +197,45 @@ def fmt_err(errs: dict, tol: float) -> str:
   return " / ".join(cells)
 
 
+def newton_schulz_inverse(matrices: jax.Array, iterations: int) -> jax.Array:
+  """``(K, b, b)`` inverses of SPD ``matrices`` by ``iterations`` Newton-Schulz steps
+  ``X <- 2 X - X F X`` from ``X_0 = I / tr(F)`` (``tr(F) >= lambda_max``: converges)."""
+  trace = jnp.trace(matrices, axis1=1, axis2=2)
+  x = jnp.eye(matrices.shape[-1], dtype=matrices.dtype)[None] / trace[:, None, None]
+  for _ in range(iterations):
+    x = 2 * x - x @ matrices @ x
+  return x
+
+
+def _batched_lapack_inverse(matrices: jax.Array) -> jax.Array:
+  """``linalg.cholesky_inverse`` with its factorization in one batched call on every platform."""
+  chol_inv = linalg._batched_cholesky_inverse(matrices)  # pylint: disable=protected-access
+  inv = jnp.einsum("kji,kjl->kil", chol_inv, chol_inv)
+  return 0.5 * (inv + jnp.swapaxes(inv, -1, -2))
+
+
+def forms_table(args) -> None:
+  """Table 3 (``--forms``): the CPU loop against batched LAPACK and Newton-Schulz."""
+  rows = []
+  for k in args.forms_blocks:
+    x = jax.random.normal(jax.random.PRNGKey(args.seed), (k, BLOCK, BLOCK))
+    f = jnp.einsum("kri,krj->kij", x, x) / BLOCK
+    mean = jnp.trace(f, axis1=1, axis2=2) / BLOCK
+    for floor in (1.0, 0.1):
+      m = jax.block_until_ready(f + (floor * mean)[:, None, None] * jnp.eye(BLOCK))
+      loop_ms, ref = timed(jax.jit(linalg.cholesky_inverse), (m,), args)
+      batched_ms, _ = timed(jax.jit(_batched_lapack_inverse), (m,), args)
+      cells = [str(k), f"{floor:g}", f"{loop_ms:.2f}", f"{batched_ms:.2f}"]
+      for it in args.forms_iterations:
+        ms, out = timed(jax.jit(lambda a, it=it: newton_schulz_inverse(a, it)), (m,), args)
+        cells.append(f"{ms:.2f} ({max_rel_diff(out, ref):.0e})")
+      rows.append(cells)
+  print("\n3. One 128-block stack inverted: the CPU loop, batched LAPACK, Newton-Schulz "
+        "(ms; in brackets the max relative difference to the loop's inverse)\n")
+  print(markdown(["K", "floor", "loop", "batched LAPACK"]
+                 + [f"Newton-Schulz {it}" for it in args.forms_iterations], rows))
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--widths", type=int, nargs="+", default=None,
@@ -203,6 +258,13 @@ def main(argv=None) -> None:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--quick", action="store_true",
                       help="smoke run: widths 256 512 1024, 3 repeats (unless given)")
+  parser.add_argument("--forms", action="store_true",
+                      help="instead: table 3, the CPU loop against batched LAPACK and "
+                           "Newton-Schulz")
+  parser.add_argument("--forms-blocks", type=int, nargs="+", default=[8, 22, 32],
+                      help="--forms: blocks per stack (default: %(default)s)")
+  parser.add_argument("--forms-iterations", type=int, nargs="+", default=[12, 16],
+                      help="--forms: Newton-Schulz iterations (default: %(default)s)")
   args = parser.parse_args(argv)
   if args.warmup < 1 or (args.repeats is not None and args.repeats < 1):
     parser.error("--warmup and --repeats must be at least 1")
@@ -212,6 +274,9 @@ def main(argv=None) -> None:
   if args.repeats is None:
     args.repeats = 3 if args.quick else 20
 
+  if args.forms:
+    forms_table(args)
+    return
   device = jax.devices()[0]
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, device {device.device_kind} "
         f"({device}), {os.cpu_count()} CPU cores", flush=True)
