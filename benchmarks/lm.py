@@ -584,6 +584,7 @@ def train(model: nn.Module, params: Any, cfg: Config, corpus: Corpus, offsets: n
   for kind, fn, used in (("check", check_step, any(is_check)),
                          ("plain", plain_step, not all(is_check))):
     if used:
+      jax.clear_caches()  # each step function from cold caches (as in mnist.py)
       start = time.perf_counter()
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,5 +1,6 @@
-"""Command-line options and check schedules shared by the benchmarks (``mnist.py``, ``lm.py``,
-``check_step.py``, ``ablation.py``, ``robustness.py``, ``public_models.py``)."""
+"""Command-line options, check schedules and ``--tune``'s grid searches shared by the benchmarks
+(``mnist.py``, ``lm.py``, ``check_step.py``, ``ablation.py``, ``robustness.py``,
+``public_models.py``)."""
 
 from __future__ import annotations
 
