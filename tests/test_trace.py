@@ -9,6 +9,7 @@ import thor_optax
 import reference
 from reference import inverse_blocks, stack_field
 from thor_optax._src import blocks
+from thor_optax._src import linalg
 from thor_optax._src.refresh import trace_rule as trace
 
 D_IN, D_OUT, N, B = 12, 6, 32, 4  # A: 3 blocks of 4 (no bias); G: 2 blocks of 4, last padded
@@ -287,6 +288,26 @@ def test_masked_block_update_on_cpu_is_sequential_unless_batched():
     budgets = [f"tensor<{k}x3xf32>" in hlo for k in (2, 4, 6)]  # fn's blocks per budget
     assert ("stablehlo.while" in hlo, "tensor<1x3xf32>" in hlo) == (not batched, not batched)
     assert budgets == [batched] * 3, (batched, budgets)
+
+def test_platform_dependent_traces_only_the_cpu_branch_in_a_cpu_process():
+  """In a CPU-only process ``linalg.platform_dependent`` traces the CPU branch alone (the
+  inversion's batched branches cost a check step's first call tracing time), where
+  ``jax.lax.platform_dependent`` traces both; either way the CPU branch is the one that runs."""
+  traced = []
+
+  def branch(name, shift):
+    def fn(x):
+      traced.append(name)
+      return x + shift
+    return fn
+
+  cpu, default = branch("cpu", 2.0), branch("default", 1.0)
+  out = jax.jit(lambda x: linalg.platform_dependent(x, cpu=cpu, default=default))(jnp.zeros(()))
+  assert float(out) == 2.0 and traced == ["cpu"]
+  traced.clear()
+  out = jax.jit(lambda x: jax.lax.platform_dependent(x, cpu=cpu, default=default))(jnp.zeros(()))
+  assert float(out) == 2.0 and sorted(traced) == ["cpu", "default"]
+
 
 def test_diagnostics_per_layer_of_a_shared_block_stack():
   # Two layers whose blocks share one stack: each layer's diagnostics count its own blocks.

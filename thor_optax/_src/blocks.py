@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from thor_optax._src import explicit
+from thor_optax._src import linalg
 from thor_optax._src import stats as stats_lib
 
 
@@ -471,7 +472,7 @@ def masked_block_update(
 
   ``jnp.where`` would compute every block and discard most. Instead only the selected blocks
   are computed, in one of two forms, chosen per platform when the step is lowered
-  (``lax.platform_dependent``, like ``linalg.lapack_safe``):
+  (``linalg.platform_dependent``, like ``linalg.lapack_safe``):
 
   * on CPU, one block at a time in a loop that runs as many times as blocks are selected
     (:func:`sequential_block_update`): the CPU factorizes one block at a time anyway
@@ -504,7 +505,7 @@ def masked_block_update(
 
   if batched:
     return budgeted(mask, old)
-  return jax.lax.platform_dependent(
+  return linalg.platform_dependent(
       mask, old, cpu=lambda m, o: sequential_block_update(m, o, fn), default=budgeted)
 
 
