@@ -289,6 +289,7 @@ def test_masked_block_update_on_cpu_is_sequential_unless_batched():
     assert ("stablehlo.while" in hlo, "tensor<1x3xf32>" in hlo) == (not batched, not batched)
     assert budgets == [batched] * 3, (batched, budgets)
 
+
 def test_platform_dependent_traces_only_the_cpu_branch_in_a_cpu_process():
   """In a CPU-only process ``linalg.platform_dependent`` traces the CPU branch alone (the
   inversion's batched branches cost a check step's first call tracing time), where
