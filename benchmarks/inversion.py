@@ -209,9 +209,8 @@ def newton_schulz_inverse(matrices: jax.Array, iterations: int) -> jax.Array:
 
 def _batched_lapack_inverse(matrices: jax.Array) -> jax.Array:
   """``linalg.cholesky_inverse`` with its factorization in one batched call on every platform."""
-  chol_inv = linalg._batched_cholesky_inverse(matrices)  # pylint: disable=protected-access
-  inv = jnp.einsum("kji,kjl->kil", chol_inv, chol_inv)
-  return 0.5 * (inv + jnp.swapaxes(inv, -1, -2))
+  # pylint: disable=protected-access
+  return linalg._inverse_from_factor_inverse(linalg._batched_cholesky_inverse(matrices))
 
 
 def forms_table(args) -> None:

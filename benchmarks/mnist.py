@@ -97,8 +97,8 @@ cnn --optimizers muon`` (150 s; its Adam part at Adam's rate): ``mlp`` lr 0.0646
 0.9497, 0.3: 0.9460); on ``cnn_bn`` it runs at 0.03, untuned.
 
 THOR's rate and damping were then searched jointly (``--tune --tune-joint --tasks mlp cnn
---optimizers thor``, 281 s; the grid above at damping 1e-4, 1e-3, 0.01 and 0.1, then half a decade either
-side of the best damping at the best rate; ``options.search_rate_and_damping``). The
+--optimizers thor``, 281 s; the grid above at damping 1e-4, 1e-3, 0.01 and 0.1, then half a
+decade either side of the best damping at the best rate; ``options.search_rate_and_damping``). The
 coordinate-wise search had missed the joint optimum: a smaller damping takes larger steps and
 wants a smaller rate. Best rate at each damping (mean validation accuracy):
 

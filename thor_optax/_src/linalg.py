@@ -115,7 +115,11 @@ def cholesky_inverse(matrices: jax.Array) -> jax.Array:
     ``(K, b, b)`` symmetric inverses ``L^-T L^-1``; non-finite where a factorization failed
     (callers keep the previous inverse there).
   """
-  chol_inv = lapack_safe(_batched_cholesky_inverse, matrices)
+  return _inverse_from_factor_inverse(lapack_safe(_batched_cholesky_inverse, matrices))
+
+
+def _inverse_from_factor_inverse(chol_inv: jax.Array) -> jax.Array:
+  """``L^-T L^-1`` of ``L^-1`` (``(K, b, b)``), symmetrized against rounding."""
   inv = jnp.einsum("kji,kjl->kil", chol_inv, chol_inv)
   return 0.5 * (inv + jnp.swapaxes(inv, -1, -2))
 
