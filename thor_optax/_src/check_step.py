@@ -54,10 +54,13 @@ class BlockRecord(NamedTuple):
   Attributes:
     trace_ref: ``(n,)`` damped trace of each block at its last factor refresh (0: never).
     refreshes: ``(n,)`` int32, inversions of each block so far.
+    damping_ref: ``(n,)`` ``lambda`` at each block's last factor refresh (0: never), so that
+      ``trace_ref`` can be judged at a later ``lambda`` (``damping.collapsed``).
   """
 
   trace_ref: jax.Array
   refreshes: jax.Array
+  damping_ref: jax.Array
 
 
 class LayerDiagnostics(NamedTuple):
@@ -73,7 +76,9 @@ class LayerDiagnostics(NamedTuple):
       check (0 for blocks refreshed for the first time).
     rejected_blocks: the layer's factor blocks whose statistics at the last check were
       rejected, so that they kept their inverses: vanishing next to their damping (an all-zero
-      batch), one row repeated (``A``), or near-singular once damped (``damping.resolvable``).
+      batch), one row repeated (``A``), near-singular once damped (``damping.resolvable``), or
+      collapsed to under 1% of their damped trace at the block's last refresh
+      (``damping.collapsed``: a batch the model fits almost exactly).
       A check step whose statistics are not finite is skipped whole by the aliases' guard.
   """
 
@@ -150,7 +155,8 @@ class StackInputs(NamedTuple):
     trace: ``(n,)`` damped trace of every block (0 where no valid statistics).
     damping: ``(n,)`` damping added to every block (1 where none).
     valid: ``(n,)`` bool, blocks with finite statistics at this check, resolvable next to their
-      damping (``damping.resolvable``).
+      damping (``damping.resolvable``) and not collapsed since their last refresh
+      (``damping.collapsed``, applied by :func:`without_collapsed`).
     rows: ``{slot: FactorRows}`` of the factors in the stack that have statistics.
     slots: every factor slot of the stack, in block order.
   """
@@ -184,11 +190,13 @@ def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam
              for spec in layout.layers if spec.name in flat and spec.g is not None}
   inputs = gather(layout, factors, dtype, cfg.damping.min_relative_damping,
                   replicas.replica_count(cfg.axis_name))
+  inputs = {group: without_collapsed(i, state.blocks[group]["record"], lam)
+            for group, i in inputs.items()}
   invert_now = cfg.accumulator.inverts_now(state.accumulator, state.count)
   new_blocks, refreshed, ratio = {}, {}, {}
   for group in layout.groups:
     new_blocks[group], refreshed[group], ratio[group] = refresh_stack(
-        group, state.blocks[group], inputs[group], layout, cfg, invert_now, state.count)
+        group, state.blocks[group], inputs[group], layout, cfg, invert_now, state.count, lam)
   side, side_only = {}, []
   for spec in layout.layers:
     if spec.name in state.layers and spec.name in flat:
@@ -409,6 +417,13 @@ def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactor
   return out
 
 
+def without_collapsed(inputs: StackInputs, record: BlockRecord, lam: jax.Array) -> StackInputs:
+  """A stack's inputs with the blocks whose statistics collapsed since their last refresh
+  (``damping.collapsed``) marked not valid: they keep their inverses."""
+  gone = damping_lib.collapsed(inputs.trace, record.trace_ref, lam, record.damping_ref)
+  return inputs._replace(trace=jnp.where(gone, 0.0, inputs.trace), valid=inputs.valid & ~gone)
+
+
 def _stack_values(parts: list, n: int, dtype: jnp.dtype, num_replicas: int) -> tuple:
   """One stack's ``(n,)`` traces, damping and finiteness, concatenated in block order from
   ``parts`` (``(slot, rows, traces, damping, finite)`` of the factors with statistics; trace 0,
@@ -439,8 +454,10 @@ def _stack_values(parts: list, n: int, dtype: jnp.dtype, num_replicas: int) -> t
 
 
 def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.BlockLayout,
-                  cfg: Any, invert_now: jax.Array, count: jax.Array) -> tuple[dict, Any, Any]:
-  """One block stack at a check step: ``(new stack, (n,) refreshed, (n,) trace change)``."""
+                  cfg: Any, invert_now: jax.Array, count: jax.Array,
+                  lam: jax.Array) -> tuple[dict, Any, Any]:
+  """One block stack at a check step (``lam``: ``lambda`` now): ``(new stack, (n,) refreshed,
+  (n,) trace change)``."""
   method = cfg.group_method(group)
   b, n = layout.groups[group]
   record = stack["record"]
@@ -485,7 +502,8 @@ def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.B
   factor_set = refreshed if factor_set is None else factor_set
   new["inverse"] = inverse
   new["record"] = BlockRecord(jnp.where(factor_set, inputs.trace, record.trace_ref),
-                              record.refreshes + refreshed.astype(jnp.int32))
+                              record.refreshes + refreshed.astype(jnp.int32),
+                              jnp.where(factor_set, lam, record.damping_ref))
   if policy_state is not None:
     new["policy"] = policy_state
   return new, refreshed, choice.ratio

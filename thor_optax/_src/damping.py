@@ -119,6 +119,46 @@ def resolvable(traces: jax.Array, damping: jax.Array, dims: jax.Array) -> jax.Ar
   return (traces > eps * damping * dims) & (traces * eps <= damping)
 
 
+# A block whose damped trace falls below this share of its reference at a check has collapsed.
+COLLAPSE_RATIO = 1e-2
+
+
+def collapsed(traces: jax.Array, trace_ref: jax.Array, damping: jax.Array,
+              damping_ref: jax.Array) -> jax.Array:
+  """Per block: whether its statistics collapsed since its last refresh, so that they would
+  grow its inverse more than ``1 / COLLAPSE_RATIO`` (100) times at once.
+
+  A batch that the model fits almost exactly (a loss of 1e-5, reached on a memorized training
+  set) has cotangents, and so ``G`` blocks, that vanish next to those of the batches around it;
+  their inverses, nearly ``1 / d``, then scale the next steps' gradients far beyond what those
+  batches' curvature allows. On the CNN of ``benchmarks/robustness.py`` at learning rate 0.03
+  and damping 1e-4, the damped traces of the ``G`` blocks of both convolutions fell to 0.7%
+  and 0.4% of those at their last refresh at a check whose batch had a loss of 0.0000; the
+  training loss went to 69 on the next step and stayed above the first step's 2.30: the run
+  diverged. The lowest ratio of a block refreshed in the benchmarks' runs was 6%
+  (``benchmarks/ablation.py``'s CNN and the CNN grid of ``robustness.py``).
+
+  The damped traces are compared (what the inverses scale by), and the reference is lowered in
+  proportion when ``lambda`` was lowered since (a damping schedule), so that annealing the
+  damping never counts as a collapse; the damping each block gets from ``lambda`` (its share
+  by the pi rule, its floor) follows the statistics and is judged with them.
+
+  A collapsed block keeps the inverse it has, like one whose statistics are not finite, and
+  its reference, so it is refreshed again once its statistics come back within the ratio.
+
+  Args:
+    traces: ``(n,)`` damped traces now (0 where the statistics were rejected already).
+    trace_ref: ``(n,)`` damped traces at each block's last refresh (0: never refreshed).
+    damping: scalar ``lambda`` now.
+    damping_ref: ``(n,)`` ``lambda`` at each block's last refresh.
+
+  Returns:
+    ``(n,)`` bool, ``False`` for blocks never refreshed.
+  """
+  scale = jnp.minimum(1.0, damping / jnp.where(damping_ref > 0, damping_ref, damping))
+  return (trace_ref > 0) & (traces < COLLAPSE_RATIO * scale * trace_ref)
+
+
 def floored_eigenvalues(eigenvalues: jax.Array, min_relative_damping: Any) -> jax.Array:
   """A factor's eigenvalues, each at least ``rho`` times their mean: the floor for eigh, whose
   damping ``lambda`` acts on the products ``eig_A eig_G`` (KAISA's exact damping). Flooring each

@@ -140,7 +140,7 @@ class KroneckerState(NamedTuple):
       in low-rank form). Each stack is a dict of its pieces' states, every leaf with the block
       index on axis 0: ``'inverse'`` (the inverse method's: ``InverseBlocks(inverse)``,
       ``EighState(eigenvectors, eigenvalues)`` or ``LowRankState(u, core, damping)``),
-      ``'record'`` (:class:`BlockRecord`: ``trace_ref``, ``refreshes``), and where the pieces
+      ``'record'`` (:class:`BlockRecord`: ``trace_ref``, ``refreshes``, ``damping_ref``), and where the pieces
       keep state ``'policy'`` (``TraceRuleState(frozen)``, ``BoundedTraceRuleState(frozen,
       skipped)``, ``AdaptiveState(next_refresh,
       refresh_interval)``) and ``'accumulator'`` (``FactorState(factor, stale)``).
@@ -265,7 +265,8 @@ def init_state(layout: blocks.BlockLayout, dtype: jnp.dtype, cfg: Curvature) -> 
   stacks = {}
   for group, (b, n) in layout.groups.items():
     stack = {"inverse": cfg.group_method(group).init(b, n, dtype),
-             "record": BlockRecord(jnp.zeros((n,), dtype), jnp.zeros((n,), jnp.int32))}
+             "record": BlockRecord(jnp.zeros((n,), dtype), jnp.zeros((n,), jnp.int32),
+                                   jnp.zeros((n,), dtype))}
     pieces = {"policy": cfg.policy.init(n, dtype), "accumulator": cfg.accumulator.init(b, n, dtype)}
     stacks[group] = {**stack, **{k: v for k, v in pieces.items() if v is not None}}
   side = {spec.name: _stacked(spec.kind.side_init(spec.one_layer(), dtype, cfg.method,
