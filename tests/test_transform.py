@@ -1,5 +1,7 @@
 """scale_by_thor / scale_by_kfac as optax citizens: composition, jit, pytrees, robustness, errors."""
 
+import inspect
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -247,6 +249,30 @@ def test_pi_damping_matches_formula(setup, max_pi):
   # Whole factors: A of Dense_1 (dim 10) and G (dim 3) are single unpadded blocks.
   np.testing.assert_allclose(inverse_blocks(s)["b10"][-1], want_a, rtol=2e-3, atol=1e-4)
   np.testing.assert_allclose(inverse_blocks(s)["b3"][-1], want_g, rtol=2e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("max_pi", [None, 1.2])
+def test_spngd_clips_pi_like_its_preconditioner(setup, max_pi):
+  """``spngd`` forwards ``max_pi`` to its pi rule (default 5, as ``thor``'s): with the clip,
+  the floor, the KL clip, momentum and the rescaling off, its first step is ``-lr`` times
+  ``scale_by_kfac``'s with the same pi rule, and the clip at 1.2 binds here (the test above)."""
+  params, grads, stats = setup
+  assert inspect.signature(thor_optax.spngd).parameters["max_pi"].default == 5.0
+  lam, lr = 0.05, 0.3
+  pre = thor_optax.scale_by_kfac(lam, ema_decay=None, pi_damping=True, max_pi=max_pi,
+                                 adaptive_refresh=None)
+  natural, _ = pre.update(grads, pre.init(params), params, curvature_stats=stats)
+  alias = thor_optax.spngd(lr, lam, momentum=0.0, adaptive_refresh=None, rescale_weights=False,
+                           max_kl=None, min_relative_damping=0.0, max_pi=max_pi)
+  updates, _ = alias.update(grads, alias.init(params), params, curvature_stats=stats)
+  _tree_allclose(updates, jax.tree_util.tree_map(lambda n: -lr * n, natural), rtol=1e-5,
+                 atol=1e-7)
+  if max_pi is not None:  # the clip changes the step
+    unclipped = thor_optax.spngd(lr, lam, momentum=0.0, adaptive_refresh=None,
+                                 rescale_weights=False, max_kl=None, min_relative_damping=0.0,
+                                 max_pi=None)
+    other, _ = unclipped.update(grads, unclipped.init(params), params, curvature_stats=stats)
+    assert not np.allclose(updates["Dense_1"]["kernel"], other["Dense_1"]["kernel"], rtol=1e-3)
 
 
 def test_max_pi_below_one_or_not_finite_is_refused():
