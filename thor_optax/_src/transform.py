@@ -140,9 +140,9 @@ class KroneckerState(NamedTuple):
       in low-rank form). Each stack is a dict of its pieces' states, every leaf with the block
       index on axis 0: ``'inverse'`` (the inverse method's: ``InverseBlocks(inverse)``,
       ``EighState(eigenvectors, eigenvalues)`` or ``LowRankState(u, core, damping)``),
-      ``'record'`` (:class:`BlockRecord`: ``trace_ref``, ``refreshes``, ``damping_ref``), and where the pieces
-      keep state ``'policy'`` (``TraceRuleState(frozen)``, ``BoundedTraceRuleState(frozen,
-      skipped)``, ``AdaptiveState(next_refresh,
+      ``'record'`` (:class:`BlockRecord`: ``trace_ref``, ``refreshes``, ``damping_ref``), and
+      where the pieces keep state ``'policy'`` (``TraceRuleState(frozen)``,
+      ``BoundedTraceRuleState(frozen, skipped)``, ``AdaptiveState(next_refresh,
       refresh_interval)``) and ``'accumulator'`` (``FactorState(factor, stale)``).
     layers: ``{layer path: state}`` side curvature of layer kinds: an embedding's diagonal
       ``A`` (``DiagonalState``), a normalization layer's unit-wise Fisher (``UnitwiseState``),
