@@ -346,7 +346,7 @@ def test_collapsed_compares_damped_traces_with_the_reference_at_the_damping_of_n
   np.testing.assert_array_equal(np.asarray(got), [True, False, True, False])
 
 
-def _thor_checks(tx, x, y, scales, steps_per_scale=1):
+def _thor_checks(tx, x, y, scales):
   """``tx`` (THOR, 4-blocks) through one check step per entry of ``scales``, the cotangents of
   the statistics multiplied by it; the states after each."""
   net = Net()
@@ -378,9 +378,8 @@ def test_a_check_whose_cotangents_collapsed_keeps_the_g_inverses():
   # lambda 1e-8: the G blocks' statistics dominate their damping (1e-4 per factor).
   tx = thor_optax.scale_by_thor(1e-8, block_size=4, trace_thresholds=(0.0, 0.0))
   first, collapsed, taken = _thor_checks(tx, x, y, [1.0, 1e-2, 0.2])
-  spec = {name: blocks_lib.build_layout(
-      Net().init(jax.random.PRNGKey(0), x)["params"], 4).layer(name)
-          for name in ("Dense_0", "Dense_1")}
+  layout = blocks_lib.build_layout(Net().init(jax.random.PRNGKey(0), x)["params"], 4)
+  spec = {name: layout.layer(name) for name in ("Dense_0", "Dense_1")}
   for name, s in spec.items():
     g = slice(s.g.start, s.g.stop)
     group = s.g.group
