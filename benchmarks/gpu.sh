@@ -41,7 +41,7 @@ run() {
 nvidia-smi -L 2>/dev/null
 python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, \
 'optax', optax.__version__, jax.devices())"
-run resnet50 300 python3 benchmarks/resnet50.py --repeats 5
+run resnet50 300 python3 benchmarks/resnet50.py --repeats 4
 run mnist 130 python3 benchmarks/mnist.py --out "$OUT/mnist.json" --plot "$OUT/mnist.png"
 run check_step_rows 50 python3 benchmarks/check_step.py --tables rows --repeats 20
 run test_exactness 40 python3 -m pytest -q -x tests/test_exactness.py
