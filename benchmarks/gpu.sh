@@ -6,7 +6,8 @@
 #   1. benchmarks/resnet50.py: ResNet-50, batch 256, bfloat16 activations, float32 curvature;
 #      THOR's check / plain / amortized step against SGD, Adam and Muon, compile times;
 #   2. benchmarks/mnist.py (its defaults: THOR, SGD, Adam and Muon on the MLP and the CNN);
-#   3. benchmarks/check_step.py --tables rows: the plain step from the gradient or the rows;
+#   3. benchmarks/check_step.py --tables rows (widths 512, 1024; batches 128, 512): the plain
+#      step from the gradient or from the rows;
 #   4. tests/test_exactness.py: the dense float64 references, on the GPU.
 # A missing Python package can be installed from wheels in ./.whl first (mlxtend, which the
 # GPU image lacks); PYTHONPATH then holds them and the repository.
@@ -41,7 +42,8 @@ run() {
 nvidia-smi -L 2>/dev/null
 python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, \
 'optax', optax.__version__, jax.devices())"
-run resnet50 300 python3 benchmarks/resnet50.py --repeats 4
-run mnist 130 python3 benchmarks/mnist.py --out "$OUT/mnist.json" --plot "$OUT/mnist.png"
-run check_step_rows 50 python3 benchmarks/check_step.py --tables rows --repeats 20
+run resnet50 280 python3 benchmarks/resnet50.py --repeats 4
+run mnist 100 python3 benchmarks/mnist.py --out "$OUT/mnist.json" --plot "$OUT/mnist.png"
+run check_step_rows 100 python3 benchmarks/check_step.py --tables rows --widths 512 1024 \
+  --batches 128 512 --repeats 10
 run test_exactness 40 python3 -m pytest -q -x tests/test_exactness.py
