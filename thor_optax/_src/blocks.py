@@ -342,19 +342,26 @@ def block_scale(scale: jax.Array | float, slot: FactorSlot) -> jax.Array | float
   return jnp.repeat(scale, slot.blocks_per_copy)
 
 
-def block_traces(rows: jax.Array, scale: jax.Array | float, slot: FactorSlot) -> jax.Array:
+def block_traces(rows: jax.Array, scale: jax.Array | float, slot: FactorSlot,
+                 column_squares: Optional[jax.Array] = None) -> jax.Array:
   """Traces of the diagonal blocks of ``F = scale * rows^T rows`` without forming ``F``.
 
-  Cost ``O(R d)``: ``tr(F_jj)`` is ``scale`` times the sum of squares of block ``j``'s columns.
+  Cost ``O(R d)``: ``tr(F_jj)`` is ``scale`` times the sum of squares of block ``j``'s columns;
+  ``O(d)`` given those sums (``column_squares``), and ``rows`` is then not read.
 
   Args:
     rows: ``(R, d)``.
     scale: scalar.
     slot: the factor's slot (gives ``b`` and the number of blocks).
+    column_squares: ``(d,)`` sums of squares of the columns of ``rows`` (``(C, d)`` for ``C``
+      copies), or ``None``.
 
   Returns:
     ``(num_blocks,)`` traces.
   """
+  if column_squares is not None:
+    return block_scale(scale, slot) * jnp.sum(
+        blocked_rows(column_squares[..., None, :], slot), axis=(0, 2))
   if _one_padded_block(slot):  # the padding's zeros cost as many reads as rows R times b
     return block_scale(scale, slot) * jnp.sum(jnp.square(rows), axis=(-2, -1)).reshape(
         slot.num_blocks)

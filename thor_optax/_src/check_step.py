@@ -159,6 +159,8 @@ class StackInputs(NamedTuple):
       (``damping.collapsed``, applied by :func:`without_collapsed`).
     rows: ``{slot: FactorRows}`` of the factors in the stack that have statistics.
     slots: every factor slot of the stack, in block order.
+    forms: ``{slot: () -> rows}`` of the factors whose rows are formed where they are used
+      (``LayerFactors.form_a``; :func:`formed`).
   """
 
   trace: jax.Array
@@ -166,6 +168,7 @@ class StackInputs(NamedTuple):
   valid: jax.Array
   rows: dict
   slots: tuple
+  forms: dict
 
 
 def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam: jax.Array,
@@ -310,19 +313,28 @@ def _rows(rows: layer_base.FactorRows) -> int:
 
 
 def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg: Any,
-                  key: Any, sqrt_damping: jax.Array) -> layer_base.LayerFactors:
+                  key: Any, sqrt_damping: jax.Array, deferred: bool = True
+                  ) -> layer_base.LayerFactors:
   """A Kronecker-factored layer's factor rows (or diagonal ``A``), damping and validity; for a
   stack of layers, every field has the stack (flattened) on a leading axis.
 
   The rows are this replica's; traces and a diagonal ``A`` are averaged across replicas
-  (``cfg.axis_name``), so the damping and validity are those of the whole batch."""
+  (``cfg.axis_name``), so the damping and validity are those of the whole batch. Rows whose
+  traces come from their kind's ``column_moments`` are, with ``deferred`` (not under the
+  ``vmap`` of a stack), formed again in the branches that use them (``LayerFactors.form_a``)."""
   if spec.stack:
     one = spec.one_layer()
-    return jax.vmap(lambda s: layer_factors(one, s, dtype, cfg, key, sqrt_damping))(stats)
+    return jax.vmap(lambda s: layer_factors(one, s, dtype, cfg, key, sqrt_damping,
+                                            deferred=False))(stats)
   spec.kind.check_stats(spec, stats)
   kw = dict(sampling=cfg.sampling, key=key)
   g = spec.kind.cotangent_rows(spec, stats, dtype, **kw)
   a = spec.kind.input_rows(spec, stats, dtype, **kw)
+  moments = None if spec.a is None else spec.kind.input_moments(spec, stats, dtype,
+                                                                sampling=cfg.sampling)
+  form_a = None
+  if deferred and moments is not None:
+    form_a = lambda: spec.kind.input_rows(spec, stats, dtype, **kw).rows  # pylint: disable=unnecessary-lambda-assignment
   num_replicas = replicas.replica_count(cfg.axis_name)  # rows behind a factor: every replica's
   for slot, which, r in ((spec.a, "A", a), (spec.g, "G", g)):
     if slot is not None:
@@ -334,9 +346,10 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
   # zero trace marks them not valid in gather). tr(A) - s R |mean row|^2 is the spread.
   mean_row = None
   if spec.a is not None:
-    tr_a, dim_a = blocks.block_traces(a.rows, a.scale, spec.a), spec.a.dim
+    squares, sums = moments or (None, None)
+    tr_a, dim_a = blocks.block_traces(a.rows, a.scale, spec.a, squares), spec.a.dim
     if _rows(a) > 1:
-      mean_row = jnp.mean(a.rows, axis=-2)
+      mean_row = jnp.mean(a.rows, axis=-2) if sums is None else sums / _rows(a)
   else:  # a diagonal A: its values
     tr_a, dim_a = jnp.sum(a, keepdims=True), a.shape[0]
     a = replicas.mean(a, cfg.axis_name)
@@ -357,7 +370,7 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
     tr_a = jnp.where(spread <= _ONE_ROW_TOLERANCE * total, jnp.zeros_like(tr_a), tr_a)
   d_a, d_g = damping_lib.split_damping(tr_a, dim_a, tr_g, spec.g.dim, sqrt_damping,
                                        cfg.damping.pi_damping, cfg.damping.max_pi)
-  return layer_base.LayerFactors(a, g, tr_a, tr_g, d_a, d_g, finite)
+  return layer_base.LayerFactors(a, g, tr_a, tr_g, d_a, d_g, finite, form_a)
 
 
 def _real_counts(slot: blocks.FactorSlot) -> np.ndarray:
@@ -394,10 +407,13 @@ def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactor
   damped traces computed once per stack: computed slot by slot and scattered into the stack,
   they were a handful of small kernels per factor, each compiled on its own by XLA."""
   parts = {g: [] for g in layout.groups}
+  forms = {g: {} for g in layout.groups}
   for spec in layout.layers:
     if spec.name not in factors:
       continue
     f = factors[spec.name]
+    if f.form_a is not None:
+      forms[spec.a.group][spec.a] = f.form_a
     for slot, r, tr, d in ((spec.a, f.a, f.a_traces, f.d_a), (spec.g, f.g, f.g_traces, f.d_g)):
       if slot is not None:
         parts[slot.group].append((slot, r, tr, d, f.finite))
@@ -413,7 +429,7 @@ def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactor
     slots = tuple(sorted((s for spec in layout.layers for s in spec.slots if s.group == group),
                          key=lambda s: s.start))
     out[group] = StackInputs(jnp.where(ok, tr + d * real_dims, 0.0), d, ok,
-                             {p[0]: p[1] for p in parts[group]}, slots)
+                             {p[0]: p[1] for p in parts[group]}, slots, forms[group])
   return out
 
 
@@ -509,6 +525,13 @@ def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.B
   return new, refreshed, choice.ratio
 
 
+def formed(inputs: StackInputs, slot: blocks.FactorSlot) -> jax.Array:
+  """A factor's rows, formed here where they can be (``StackInputs.forms``): called inside the
+  branch that multiplies out the blocks due, the rows' construction runs only with it."""
+  form = inputs.forms.get(slot)
+  return inputs.rows[slot].rows if form is None else form()
+
+
 # Factors whose covariance blocks all together cost fewer FLOPs than this are multiplied out
 # whole, all in one branch per stack, when any of their blocks is due: each branch (each budget
 # of a costlier factor) is code that XLA compiles.
@@ -539,7 +562,7 @@ def covariances(inputs: StackInputs, from_rows: dict, selected: jax.Array, b: in
 
   def multiply_whole():
     return jnp.concatenate([
-        blocks.block_covariances(inputs.rows[s].rows, inputs.rows[s].scale, s,
+        blocks.block_covariances(formed(inputs, s), inputs.rows[s].scale, s,
                                  jnp.arange(s.num_blocks)).astype(dtype) for s in whole])
 
   cheap, offset = {}, 0
@@ -558,7 +581,8 @@ def covariances(inputs: StackInputs, from_rows: dict, selected: jax.Array, b: in
       # laid out in memory, where each budget's branch fuses their layout into its GEMM.
       cov, _ = blocks.masked_block_update(
           selected[slot.start:slot.stop], jnp.zeros((slot.num_blocks, b, b), dtype),
-          lambda idx, r=r, slot=slot: (blocks.block_covariances(r.rows, r.scale, slot, idx),
+          lambda idx, r=r, slot=slot: (blocks.block_covariances(formed(inputs, slot), r.scale,
+                                                                slot, idx),
                                        jnp.ones(idx.shape, bool)),
           cfg.num_buckets, batched=True)
       parts.append(cov)

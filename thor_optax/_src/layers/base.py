@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -422,6 +422,19 @@ class LayerKind(abc.ABC):
     raise NotImplementedError(f"layer kind {self.name!r} has no Kronecker factors; its claim "
                               "must give a_dim=None and g_dim=None")
 
+  def input_moments(self, spec: LayerSpec, stats: Any, dtype: jnp.dtype, *,
+                    sampling: Any = None) -> Optional[tuple[jax.Array, jax.Array]]:
+    """``(sums of squares, sums)`` of the columns of :meth:`input_rows`' rows, ``(d_A,)``
+    each, computed without forming the rows, or ``None`` (default: the check step reads them
+    from the rows).
+
+    A kind whose rows cost much more than their inputs (a convolution's patches) gives them:
+    a check step then takes the block traces of ``A`` from them, and forms the rows only in
+    the branches that multiply out blocks due, when those run.
+    """
+    del spec, stats, dtype, sampling
+    return None
+
   def cotangent_rows(self, spec: LayerSpec, stats: Any, dtype: jnp.dtype, *,
                      sampling: Any = None, key: Optional[jax.Array] = None) -> FactorRows:
     """``(rows, scale)`` with ``G = scale rows^T rows``: per-example cotangents ``g``, ``G``
@@ -513,6 +526,10 @@ class LayerFactors(NamedTuple):
     d_a: damping added to ``A`` (scalar).
     d_g: damping added to ``G`` (scalar).
     finite: whether the layer's factor traces are finite (scalar bool).
+    form_a: ``() -> rows`` of ``A`` formed again where it is called, or ``None``: for a kind
+      with :meth:`LayerKind.input_moments`, the check step calls it inside the branch that
+      multiplies out ``A``'s blocks due, so that XLA forms the rows there, only when the
+      branch runs (rows passed into a branch are formed whether or not it runs).
   """
 
   a: Any
@@ -522,6 +539,7 @@ class LayerFactors(NamedTuple):
   d_a: jax.Array
   d_g: jax.Array
   finite: jax.Array
+  form_a: Optional[Callable[[], jax.Array]] = None
 
 
 def bias_fits(shapes: Mapping[str, tuple[int, ...]], out_shape: tuple[int, ...]) -> bool:

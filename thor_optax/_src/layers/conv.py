@@ -236,6 +236,24 @@ def conv_patches(stats: "ConvStats") -> jax.Array:
   return patches.reshape(patches.shape[:1 + nsp] + (-1,))
 
 
+def patch_moments(stats: "ConvStats", dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, int]:
+  """``(sums of squares, sums, T)``: the column sums of :func:`conv_patches` (over examples and
+  positions), ``(C_in prod(k...),)`` each, without forming the patches, and the number ``T``
+  of output positions.
+
+  Each patch entry is one entry of the padded input (or a zero of the padding), so squaring
+  and summing over examples commute with taking patches: the column sums are those of the
+  patches of the one-example inputs ``sum_n x_n^2`` and ``sum_n x_n``. Cost ``O(N H W C_in)``
+  plus one example's patches, where the patches themselves are ``prod(k...)`` times the
+  input.
+  """
+  x = stats.inputs.astype(dtype)
+  both = jnp.stack([jnp.sum(jnp.square(x), axis=0), jnp.sum(x, axis=0)])
+  patches = conv_patches(dataclasses.replace(stats, inputs=both))
+  sums = jnp.sum(patches.reshape(2, -1, patches.shape[-1]), axis=1)
+  return sums[0], sums[1], int(np.prod(patches.shape[1:-1]))
+
+
 def _settings(x: Any, nsp: int) -> tuple[int, ...]:
   """A module's strides or dilation as one int per spatial dimension (Flax's broadcast)."""
   if x is None:
@@ -425,6 +443,18 @@ class Conv(base.LayerKind):
     rows = jnp.take_along_axis(x, idx[:, :, None], axis=1).reshape(n * s, x.shape[-1])
     rows = dense.with_ones(rows) if spec.has_bias else rows
     return base.FactorRows(rows, jnp.asarray(t / (n * s), dtype))
+
+  def input_moments(self, spec, stats, dtype, *, sampling=None):
+    """``'expand'``: the column moments of :meth:`input_rows`' rows from
+    :func:`patch_moments` (the bias column's: ``R`` and ``R``), without forming the patches;
+    the other modes: ``None`` (their rows are few)."""
+    if (sampling or ConvSampling()).mode != "expand":
+      return None
+    squares, sums, t = patch_moments(stats, dtype)
+    if not spec.has_bias:
+      return squares, sums
+    count = jnp.full((1,), stats.inputs.shape[0] * t, dtype)
+    return jnp.concatenate([squares, count]), jnp.concatenate([sums, count])
 
   def cotangent_rows(self, spec, stats, dtype, *, sampling=None, key=None) -> base.FactorRows:
     """Rows of ``G``: ``'expand'`` ``(S N T, d_out)`` and ``1 / (N T)``; ``'reduce_sum'``
