@@ -160,7 +160,7 @@ class StackInputs(NamedTuple):
     rows: ``{slot: FactorRows}`` of the factors in the stack that have statistics.
     slots: every factor slot of the stack, in block order.
     forms: ``{slot: () -> rows}`` of the factors whose rows are formed where they are used
-      (``LayerFactors.form_a``; :func:`formed`).
+      (``LayerFactors.form_a``, ``form_g``; :func:`formed`).
   """
 
   trace: jax.Array
@@ -319,9 +319,11 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
   stack of layers, every field has the stack (flattened) on a leading axis.
 
   The rows are this replica's; traces and a diagonal ``A`` are averaged across replicas
-  (``cfg.axis_name``), so the damping and validity are those of the whole batch. Rows whose
-  traces come from their kind's ``column_moments`` are, with ``deferred`` (not under the
-  ``vmap`` of a stack), formed again in the branches that use them (``LayerFactors.form_a``)."""
+  (``cfg.axis_name``), so the damping and validity are those of the whole batch. With
+  ``deferred`` (not under the ``vmap`` of a stack) the rows are formed again in the branches
+  that multiply them out (``LayerFactors.form_a``, ``form_g``), and ``A``'s traces come from
+  its kind's ``input_moments`` where it has them (a convolution's patches are never formed
+  for the traces alone)."""
   if spec.stack:
     one = spec.one_layer()
     return jax.vmap(lambda s: layer_factors(one, s, dtype, cfg, key, sqrt_damping,
@@ -332,9 +334,11 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
   a = spec.kind.input_rows(spec, stats, dtype, **kw)
   moments = None if spec.a is None else spec.kind.input_moments(spec, stats, dtype,
                                                                 sampling=cfg.sampling)
-  form_a = None
-  if deferred and moments is not None:
-    form_a = lambda: spec.kind.input_rows(spec, stats, dtype, **kw).rows  # pylint: disable=unnecessary-lambda-assignment
+  form_a = form_g = None
+  if deferred:
+    if isinstance(a, layer_base.FactorRows):
+      form_a = lambda: spec.kind.input_rows(spec, stats, dtype, **kw).rows  # pylint: disable=unnecessary-lambda-assignment
+    form_g = lambda: spec.kind.cotangent_rows(spec, stats, dtype, **kw).rows  # pylint: disable=unnecessary-lambda-assignment
   num_replicas = replicas.replica_count(cfg.axis_name)  # rows behind a factor: every replica's
   for slot, which, r in ((spec.a, "A", a), (spec.g, "G", g)):
     if slot is not None:
@@ -370,7 +374,7 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
     tr_a = jnp.where(spread <= _ONE_ROW_TOLERANCE * total, jnp.zeros_like(tr_a), tr_a)
   d_a, d_g = damping_lib.split_damping(tr_a, dim_a, tr_g, spec.g.dim, sqrt_damping,
                                        cfg.damping.pi_damping, cfg.damping.max_pi)
-  return layer_base.LayerFactors(a, g, tr_a, tr_g, d_a, d_g, finite, form_a)
+  return layer_base.LayerFactors(a, g, tr_a, tr_g, d_a, d_g, finite, form_a, form_g)
 
 
 def _real_counts(slot: blocks.FactorSlot) -> np.ndarray:
@@ -412,8 +416,9 @@ def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactor
     if spec.name not in factors:
       continue
     f = factors[spec.name]
-    if f.form_a is not None:
-      forms[spec.a.group][spec.a] = f.form_a
+    for slot, form in ((spec.a, f.form_a), (spec.g, f.form_g)):
+      if form is not None:
+        forms[slot.group][slot] = form
     for slot, r, tr, d in ((spec.a, f.a, f.a_traces, f.d_a), (spec.g, f.g, f.g_traces, f.d_g)):
       if slot is not None:
         parts[slot.group].append((slot, r, tr, d, f.finite))

@@ -526,10 +526,12 @@ class LayerFactors(NamedTuple):
     d_a: damping added to ``A`` (scalar).
     d_g: damping added to ``G`` (scalar).
     finite: whether the layer's factor traces are finite (scalar bool).
-    form_a: ``() -> rows`` of ``A`` formed again where it is called, or ``None``: for a kind
-      with :meth:`LayerKind.input_moments`, the check step calls it inside the branch that
-      multiplies out ``A``'s blocks due, so that XLA forms the rows there, only when the
-      branch runs (rows passed into a branch are formed whether or not it runs).
+    form_a: ``() -> rows`` of ``A`` formed again where it is called, or ``None``: the check
+      step calls it inside the branch that multiplies out ``A``'s blocks due, so that XLA
+      forms the rows there, only when the branch runs (rows passed into a branch are formed
+      whether or not it runs: a convolution's patches, float32 copies of bfloat16 statistics).
+      ``None`` under the ``vmap`` of a stack of layers.
+    form_g: the same for ``G``.
   """
 
   a: Any
@@ -540,6 +542,7 @@ class LayerFactors(NamedTuple):
   d_g: jax.Array
   finite: jax.Array
   form_a: Optional[Callable[[], jax.Array]] = None
+  form_g: Optional[Callable[[], jax.Array]] = None
 
 
 def bias_fits(shapes: Mapping[str, tuple[int, ...]], out_shape: tuple[int, ...]) -> bool:
