@@ -213,3 +213,12 @@ def kronecker_state(opt_state):
   is_kron = lambda x: isinstance(x, thor_optax.KroneckerState)
   return next((x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_kron) if is_kron(x)),
               None)
+
+
+def top_level_hlo(fn, *args) -> tuple[str, str]:
+  """``(whole, top level)`` of ``jax.jit(fn)``'s compiled HLO text for ``args``: the top level
+  is its entry computation, where the branches of a ``cond`` / ``switch`` are computations
+  apart (a value formed only inside a branch appears in the whole text, not at the top)."""
+  hlo = jax.jit(fn).lower(*args).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):]
+  return hlo, entry[:entry.index("\n}")]

@@ -395,23 +395,34 @@ def test_without_the_captured_layout_the_error_says_what_to_do(name, use_bias):
     tx.update(grads, tx.init(params), None, curvature_stats=stats)
 
 
-def test_patches_are_the_loop_im2col():
-  """The package's patches, in its feature order, are the loop im2col's (the ungrouped cases;
-  a grouped layer's groups are ungrouped convolutions once split)."""
+def _ungrouped_inputs(seed: int, num_examples: int):
+  """``(name, settings, x, stats)`` of every ungrouped case (a grouped layer's groups are
+  ungrouped convolutions once split): random inputs and their ``ConvStats``."""
   for name, (spatial, c_in, _, settings) in sorted(CASES.items()):
     if settings.get("feature_group_count", 1) > 1:
       continue
-    x = randn(6, (2,) + spatial + (c_in,))
+    x = randn(seed, (num_examples,) + spatial + (c_in,))
     nsp = len(spatial)
-    stats = thor_optax.ConvStats(
+    yield name, settings, x, thor_optax.ConvStats(
         inputs=jnp.asarray(x), cotangents=jnp.zeros((1, 1)),
         kernel_size=settings["kernel_size"], strides=settings.get("strides", (1,) * nsp),
         padding=_pads(spatial, settings["kernel_size"], settings),
         input_dilation=settings.get("input_dilation"),
         kernel_dilation=settings.get("kernel_dilation"))
+
+
+def _im2col_rows(x, settings):
+  """The loop im2col as ``(N, out..., d)`` (``(k..., C)``: row-major in 1-D / 3-D)."""
+  patches = im2col(x, settings)
+  return patches.reshape(patches.shape[:x.ndim - 1] + (-1,))
+
+
+def test_patches_are_the_loop_im2col():
+  """The package's patches, in its feature order, are the loop im2col's (the ungrouped cases;
+  a grouped layer's groups are ungrouped convolutions once split)."""
+  for name, settings, x, stats in _ungrouped_inputs(6, 2):
     got = np.asarray(jax.jit(conv_lib.conv_patches)(stats))
-    want = im2col(x, settings)
-    want = want.reshape(want.shape[:1 + nsp] + (-1,))  # (k..., C): row-major in 1-D / 3-D
+    want = _im2col_rows(x, settings)
     assert got.shape == want.shape, name
     np.testing.assert_array_equal(got, want, err_msg=name)
 
@@ -420,31 +431,20 @@ def test_patch_moments_are_the_loop_im2col_column_sums():
   """The column sums of squares and sums that give a check step ``A``'s block traces without
   forming the patches (``patch_moments``) are those of the loop im2col, and ``T`` its positions;
   ``input_moments`` appends the bias column's (``R = N T`` twice)."""
-  for name, (spatial, c_in, _, settings) in sorted(CASES.items()):
-    if settings.get("feature_group_count", 1) > 1:
-      continue
-    x = randn(7, (3,) + spatial + (c_in,))
-    nsp = len(spatial)
-    stats = thor_optax.ConvStats(
-        inputs=jnp.asarray(x), cotangents=jnp.zeros((1, 1)),
-        kernel_size=settings["kernel_size"], strides=settings.get("strides", (1,) * nsp),
-        padding=_pads(spatial, settings["kernel_size"], settings),
-        input_dilation=settings.get("input_dilation"),
-        kernel_dilation=settings.get("kernel_dilation"))
+  for name, settings, x, stats in _ungrouped_inputs(7, 3):
     squares, sums, t = conv_lib.patch_moments(stats, F64)
-    rows = im2col(x, settings)
-    rows = rows.reshape(-1, int(np.prod(rows.shape[1 + nsp:])))
+    rows = _im2col_rows(x, settings)
+    rows = rows.reshape(-1, rows.shape[-1])
     np.testing.assert_allclose(squares, np.sum(rows**2, axis=0), rtol=1e-13, err_msg=name)
     np.testing.assert_allclose(sums, np.sum(rows, axis=0), rtol=1e-13, atol=1e-13, err_msg=name)
     assert 3 * t == rows.shape[0], name
-  spec = conv_lib.Conv()
-  layout = blocks.build_layout({"conv": {"kernel": jnp.zeros((3, 3, 2, 4)),
-                                         "bias": jnp.zeros((4,))}}, 4)
+  kind, spec = conv_lib.Conv(), blocks.build_layout(
+      {"conv": {"kernel": jnp.zeros((3, 3, 2, 4)), "bias": jnp.zeros((4,))}}, 4).layer("conv")
   stats = thor_optax.ConvStats(inputs=jnp.asarray(randn(8, (2, 5, 5, 2))),
                                cotangents=jnp.zeros((1, 2, 5, 5, 4)), kernel_size=(3, 3),
                                strides=(1, 1), padding="SAME")
-  squares, sums = spec.input_moments(layout.layer("conv"), stats, F64)
-  rows = spec.input_rows(layout.layer("conv"), stats, F64).rows
+  squares, sums = kind.input_moments(spec, stats, F64)
+  rows = kind.input_rows(spec, stats, F64).rows
   np.testing.assert_allclose(squares, np.sum(np.asarray(rows)**2, axis=0), rtol=1e-13)
   np.testing.assert_allclose(sums, np.sum(np.asarray(rows), axis=0), rtol=1e-13, atol=1e-13)
   assert squares[-1] == sums[-1] == 50.0
@@ -470,10 +470,8 @@ def test_a_check_step_forms_conv_patches_only_in_the_branches_that_use_them():
   (_, grads), stats = capture(params, x, jnp.zeros((4, 2), F64))
   tx = thor_optax.scale_by_thor(DAMPING, block_size=8)
   state = tx.init(params)
-  hlo = jax.jit(lambda s: tx.update(grads, state, params, curvature_stats=s)).lower(
-      stats).compile().as_text()
-  entry = hlo[hlo.index("\nENTRY"):]
-  entry = entry[:entry.index("\n}")]  # the step's top level; branches are computations apart
+  hlo, entry = reference.top_level_hlo(
+      lambda s: tx.update(grads, state, params, curvature_stats=s), stats)
   rows = "f64[144,28]"  # the patch rows with the bias column, N T = 4 * 36
   assert rows in hlo  # formed in a branch: the test sees them where they are
   assert rows not in entry and "f64[4,6,6,27]" not in entry

@@ -215,10 +215,8 @@ def test_check_step_converts_bf16_conv_rows_only_where_factors_are_multiplied_ou
       params, x, jnp.arange(32) % 3)
   tx = thor_optax.scale_by_thor(0.03, block_size=8)
   state = tx.init(params)
-  hlo = jax.jit(lambda s: tx.update(grads, state, params, curvature_stats=s)).lower(
-      stats).compile().as_text()
-  entry = hlo[hlo.index("\nENTRY"):]
-  entry = entry[:entry.index("\n}")]  # the step's top level; branches are computations apart
+  hlo, entry = reference.top_level_hlo(
+      lambda s: tx.update(grads, state, params, curvature_stats=s), stats)
   # N T = 32 * 256 rows: A (2 * 9 + bias), G (4 channels). (On fewer rows XLA:CPU forms the
   # squared cotangents for the trace's reduction, whatever the branches do.)
   rows = ("f32[8192,19]", "f32[8192,4]")
