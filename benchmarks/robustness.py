@@ -115,6 +115,8 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=300, help="(default: %(default)s)")
   p.add_argument("--learning-rates", type=float, nargs="+", default=[0.003, 0.01, 0.03, 0.1, 0.3])
   p.add_argument("--dampings", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2, 1e-1])
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the initial parameters and of the batch order (default: %(default)s)")
   options.add_lapack_threads_option(p)
   args = p.parse_args(argv)
   options.apply_lapack_threads(args)
@@ -122,9 +124,10 @@ def main(argv=None) -> None:
   train_set, _ = mnist.load_mnist()
   data = mnist.Split(train_set.x[:args.digits], train_set.y[:args.digits])
   model = mnist.MODELS[args.task]()
-  variables = mnist.init_variables(model, data.x[:1], 0)
-  batches = mnist.batch_order(args.digits, args.batch_size, args.steps, 0)
-  print(f"{args.task}: {args.digits} digits, batch {args.batch_size}, {args.steps} steps; "
+  variables = mnist.init_variables(model, data.x[:1], args.seed)
+  batches = mnist.batch_order(args.digits, args.batch_size, args.steps, args.seed)
+  print(f"{args.task}: {args.digits} digits, batch {args.batch_size}, {args.steps} steps, "
+        f"seed {args.seed}; "
         f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
   rows = []
   for name in args.aliases:
