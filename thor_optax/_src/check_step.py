@@ -77,8 +77,9 @@ class LayerDiagnostics(NamedTuple):
     rejected_blocks: the layer's factor blocks whose statistics at the last check were
       rejected, so that they kept their inverses: vanishing next to their damping (an all-zero
       batch), one row repeated (``A``), near-singular once damped (``damping.resolvable``), or
-      collapsed to under 1% of their damped trace at the block's last refresh
-      (``damping.collapsed``: a batch the model fits almost exactly).
+      collapsed to under 10% of their damped trace at the block's last refresh (a reference
+      halved at each such rejection; ``damping.collapsed``: a batch the model fits almost
+      exactly).
       A check step whose statistics are not finite is skipped whole by the aliases' guard.
   """
 
@@ -193,13 +194,15 @@ def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam
              for spec in layout.layers if spec.name in flat and spec.g is not None}
   inputs = gather(layout, factors, dtype, cfg.damping.min_relative_damping,
                   replicas.replica_count(cfg.axis_name))
-  inputs = {group: without_collapsed(i, state.blocks[group]["record"], lam)
-            for group, i in inputs.items()}
+  stacks = dict(state.blocks)
+  for group, i in inputs.items():
+    inputs[group], record = without_collapsed(i, stacks[group]["record"], lam)
+    stacks[group] = {**stacks[group], "record": record}
   invert_now = cfg.accumulator.inverts_now(state.accumulator, state.count)
   new_blocks, refreshed, ratio = {}, {}, {}
   for group in layout.groups:
     new_blocks[group], refreshed[group], ratio[group] = refresh_stack(
-        group, state.blocks[group], inputs[group], layout, cfg, invert_now, state.count, lam)
+        group, stacks[group], inputs[group], layout, cfg, invert_now, state.count, lam)
   side, side_only = {}, []
   for spec in layout.layers:
     if spec.name in state.layers and spec.name in flat:
@@ -438,11 +441,17 @@ def gather(layout: blocks.BlockLayout, factors: dict[str, layer_base.LayerFactor
   return out
 
 
-def without_collapsed(inputs: StackInputs, record: BlockRecord, lam: jax.Array) -> StackInputs:
+def without_collapsed(inputs: StackInputs, record: BlockRecord, lam: jax.Array
+                      ) -> tuple[StackInputs, BlockRecord]:
   """A stack's inputs with the blocks whose statistics collapsed since their last refresh
-  (``damping.collapsed``) marked not valid: they keep their inverses."""
+  (``damping.collapsed``) marked not valid, so that they keep their inverses, and its record
+  with those blocks' reference traces lowered by ``damping.COLLAPSE_DECAY``: statistics that
+  stay low are taken after a few checks."""
   gone = damping_lib.collapsed(inputs.trace, record.trace_ref, lam, record.damping_ref)
-  return inputs._replace(trace=jnp.where(gone, 0.0, inputs.trace), valid=inputs.valid & ~gone)
+  record = record._replace(trace_ref=jnp.where(gone, damping_lib.COLLAPSE_DECAY, 1.0)
+                           * record.trace_ref)
+  return (inputs._replace(trace=jnp.where(gone, 0.0, inputs.trace), valid=inputs.valid & ~gone),
+          record)
 
 
 def _stack_values(parts: list, n: int, dtype: jnp.dtype, num_replicas: int) -> tuple:
