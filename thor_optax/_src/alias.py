@@ -207,8 +207,8 @@ def thor(
       dimensions), or ``None`` (the default here and in :func:`kfac`, :func:`skfac`,
       :func:`spngd`) for no clip. :func:`kaisa` takes 0.1 by default. In ``thor`` 0.1 binds at
       the tuned rate: the MNIST CNN reached 95 / 96% in more steps (6 seeds) and, at damping
-      1e-4 on seeds 3-5 of init and batch order, three runs of 12 diverged instead of one
-      (README, "Robustness").
+      1e-4 on seeds 3-5 of init and batch order, three runs of 12 diverged instead of one (with
+      the collapse rule at 1% then; README, "Robustness").
     min_relative_damping: floor ``rho`` on each factor block's damping relative to its mean
       eigenvalue (see :func:`scale_by_thor`); 0 for the paper's damping alone. Default 1 (the
       other aliases: 0.1). With the pi rule, ``G`` gets as little as ``sqrt(lambda) / 5``,
