@@ -12,9 +12,9 @@ layer by layer: each kernel's update ``u`` (after the learning rate and momentum
     min(1, max_ratio * max(|w|, eps_rms * sqrt(size(w))) / |u|),
 
 a trust region relative to the kernel's own scale (Frobenius norms over one layer's kernel; a
-stack of layers, ``nn.scan``, layer by layer). Only
-leaves of two or more dimensions are clipped (kernels, convolution kernels, embeddings); biases
-and normalization scales, often zero or one at initialization, pass through. ``eps_rms`` lets a
+stack of layers, ``nn.scan``, layer by layer). Only leaves of two or more dimensions are
+clipped (kernels, convolution kernels, embeddings); biases and normalization scales, often
+zero or one at initialization, pass through. ``eps_rms`` lets a
 kernel initialized to zeros (a transformer's zero-initialized head) take steps of RMS
 ``max_ratio * eps_rms`` per entry instead of none.
 
