@@ -1,6 +1,5 @@
 """clip_by_weight_ratio: each kernel's step at most a share of its norm, in float64; and its
-place in the chains of ``kaisa`` and ``skfac``, which clip by default (after the learning rate
-and momentum, the momentum left as it is)."""
+place in ``kaisa``'s chain (after the learning rate and momentum, the momentum left as it is)."""
 
 import flax.linen as nn
 import jax
@@ -55,15 +54,14 @@ class _Mlp(nn.Module):
     return nn.Dense(3)(jnp.tanh(nn.Dense(6)(x)))
 
 
-@pytest.mark.parametrize("alias", ["kaisa", "skfac"])
-def test_clipping_aliases_clip_the_step_after_momentum_by_default_and_keep_the_momentum(alias):
+def test_kaisa_clips_the_step_after_momentum_and_keeps_the_momentum():
   model = _Mlp()
   x, y = jnp.asarray(randn(0, (8, 5))), jnp.asarray([0, 1, 2, 0, 1, 2, 1, 0])
   params = reference.init_params(model, x, seed=1)
   (_, grads), stats = reference.capture(model, reference.softmax_ce)(params, x, y)
-  # A tiny damping and no KL clip: a long step, which the default clip (0.1) must shorten.
-  make = lambda **kw: getattr(thor_optax, alias)(1.0, 1e-8, max_kl=None, **kw)
-  free, clipped = make(max_update_ratio=None), make()
+  # A tiny damping and no KL clip: a long step, which the clip must shorten.
+  make = lambda ratio: thor_optax.kaisa(1.0, 1e-8, max_kl=None, max_update_ratio=ratio)
+  free, clipped = make(None), make(0.1)
   s_free, s_clip = free.init(params), clipped.init(params)
   for _ in range(2):  # two updates at the same point: the second one carries momentum
     u_free, s_free = free.update(grads, s_free, params, curvature_stats=stats)

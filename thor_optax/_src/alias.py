@@ -204,8 +204,8 @@ def thor(
       from its rows comes from the rows too, so its kernel gradient is still not formed.
     max_update_ratio: clip each kernel's step (after the learning rate and momentum) to at
       most this share of the kernel's norm (:func:`clip_by_weight_ratio`; leaves of two or more
-      dimensions), or ``None`` (the default here and in :func:`kfac` and :func:`spngd`) for
-      no clip. :func:`kaisa` and :func:`skfac` take 0.1 by default. In ``thor`` 0.1 binds at
+      dimensions), or ``None`` (the default here and in :func:`kfac`, :func:`skfac`,
+      :func:`spngd`) for no clip. :func:`kaisa` takes 0.1 by default. In ``thor`` 0.1 binds at
       the tuned rate: the MNIST CNN reached 95 / 96% in more steps (6 seeds) and, at damping
       1e-4 on seeds 3-5 of init and batch order, three runs of 12 diverged instead of one (with
       the collapse rule at 1% then; README, "Robustness").
@@ -322,7 +322,7 @@ def skfac(
     precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     layers: Optional[Any] = None,
     max_kl: Optional[float] = 1e-2,
-    max_update_ratio: Optional[float] = 0.1,
+    max_update_ratio: Optional[float] = None,
     min_relative_damping: float = 0.1,
     skip_not_finite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
@@ -344,19 +344,8 @@ def skfac(
       replicas together), to keep the low-rank factors in Woodbury form in the state: less
       memory than dense inverses, and cheaper steps (see :func:`scale_by_thor`); ``None``
       stores dense inverses.
-    max_update_ratio: clip each kernel's step to at most this share of the kernel's norm
-      (:func:`clip_by_weight_ratio`), or ``None``. Default 0.1, as :func:`kaisa` (not in
-      SKFAC's paper): a factor from the batch's ``m`` rows is low-rank, and the next batches'
-      gradients have parts outside its span, which its inverse scales by one over its damping
-      while the KL clip measures them with the same inverse. On the MNIST MLP's learning-rate
-      x damping grid of ``benchmarks/robustness.py`` with seed 1 of init and batch order
-      (``--seed 1``), the run at lr 0.01 and damping 1e-4 took steps of about 10% of its
-      kernels' norms for its first ten steps (the output layer's norm from 3.2 to 15.5) and
-      diverged (last-10 loss 3.86 against 2.32 at the first step); with the clip it trains
-      (0.26), and at the tuned settings the clip never acts (the same steps to every target
-      on 6 seeds of both MNIST models; README, "Robustness").
-    block_sharding, axis_name, precondition_mask, layers, max_kl, min_relative_damping,
-      skip_not_finite: as :func:`thor`.
+    block_sharding, axis_name, precondition_mask, layers, max_kl, max_update_ratio,
+      min_relative_damping, skip_not_finite: as :func:`thor`.
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``; pass ``curvature_stats=`` on check steps,
