@@ -22,6 +22,9 @@ Run (defaults: the MLP of ``mnist.py``, 1,000 digits, batch 100, 300 steps, lear
 
   python3 benchmarks/robustness.py
   python3 benchmarks/robustness.py --task cnn --steps 150 --aliases thor kfac
+  python3 benchmarks/robustness.py --aliases skfac --seed 0 1 2   # one grid per seed
+
+The table ends with the highest of the runs' last-10 losses (``nan`` when one is not finite).
 """
 
 from __future__ import annotations
@@ -115,8 +118,9 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=300, help="(default: %(default)s)")
   p.add_argument("--learning-rates", type=float, nargs="+", default=[0.003, 0.01, 0.03, 0.1, 0.3])
   p.add_argument("--dampings", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2, 1e-1])
-  p.add_argument("--seed", type=int, default=0,
-                 help="seed of the initial parameters and of the batch order (default: %(default)s)")
+  p.add_argument("--seed", type=int, nargs="+", default=[0],
+                 help="seeds of the initial parameters and of the batch order, one grid each "
+                      "(default: %(default)s)")
   options.add_lapack_threads_option(p)
   args = p.parse_args(argv)
   options.apply_lapack_threads(args)
@@ -124,26 +128,29 @@ def main(argv=None) -> None:
   train_set, _ = mnist.load_mnist()
   data = mnist.Split(train_set.x[:args.digits], train_set.y[:args.digits])
   model = mnist.MODELS[args.task]()
-  variables = mnist.init_variables(model, data.x[:1], args.seed)
-  batches = mnist.batch_order(args.digits, args.batch_size, args.steps, args.seed)
-  print(f"{args.task}: {args.digits} digits, batch {args.batch_size}, {args.steps} steps, "
-        f"seed {args.seed}; "
-        f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
   rows = []
-  for name in args.aliases:
-    start = time.perf_counter()
-    dampings = args.dampings if name in ALIASES else [0.0]
-    grid = list(itertools.product(args.learning_rates, dampings))
-    records = grid_runs(model, variables, name, data, batches, mnist.DEFAULT_CHECKS.get(name),
-                        grid, args.batch_size)
-    rows.append((name, len(records), sum(r["skipped_steps"] > 0 for r in records),
-                 sum(r["skipped_steps"] for r in records), sum(r["non_finite"] for r in records),
-                 sum(r["diverged"] for r in records), time.perf_counter() - start))
-  print(f"\n{'optimizer':>9}  {'runs':>4}  {'skipped runs':>12}  {'skipped steps':>13}  "
-        f"{'non-finite':>10}  {'diverged':>8}  {'seconds':>7}")
-  for name, n, sk_runs, sk_steps, nonfinite, diverged, seconds in rows:
-    print(f"{name:>9}  {n:>4}  {sk_runs:>12}  {sk_steps:>13}  {nonfinite:>10}  {diverged:>8}  "
-          f"{seconds:>7.0f}")
+  for seed in args.seed:
+    variables = mnist.init_variables(model, data.x[:1], seed)
+    batches = mnist.batch_order(args.digits, args.batch_size, args.steps, seed)
+    print(f"{args.task}: {args.digits} digits, batch {args.batch_size}, {args.steps} steps, "
+          f"seed {seed}; "
+          f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
+    for name in args.aliases:
+      start = time.perf_counter()
+      dampings = args.dampings if name in ALIASES else [0.0]
+      grid = list(itertools.product(args.learning_rates, dampings))
+      records = grid_runs(model, variables, name, data, batches, mnist.DEFAULT_CHECKS.get(name),
+                          grid, args.batch_size)
+      rows.append((name, seed, len(records), sum(r["skipped_steps"] > 0 for r in records),
+                   sum(r["skipped_steps"] for r in records),
+                   sum(r["non_finite"] for r in records), sum(r["diverged"] for r in records),
+                   float(np.max([r["final_loss"] for r in records])), time.perf_counter() - start))
+  print(f"\n{'optimizer':>9}  {'seed':>4}  {'runs':>4}  {'skipped runs':>12}  "
+        f"{'skipped steps':>13}  {'non-finite':>10}  {'diverged':>8}  {'highest last-10':>15}  "
+        f"{'seconds':>7}")
+  for name, seed, n, sk_runs, sk_steps, nonfinite, diverged, highest, seconds in rows:
+    print(f"{name:>9}  {seed:>4}  {n:>4}  {sk_runs:>12}  {sk_steps:>13}  {nonfinite:>10}  "
+          f"{diverged:>8}  {highest:>15.4g}  {seconds:>7.0f}")
 
 
 if __name__ == "__main__":
