@@ -15,7 +15,7 @@ equally, ``sqrt(lambda)`` per factor. This script trains, with:
 * *leave-one-out* rows: ``thor`` with one choice set back to K-FAC's;
 * ``thor-sp`` (MLP only): ``thor`` with whole factors and SP-NGD's weight rescaling chained
   after it, at SP-NGD's tuned rate and damping: over seeds 0-5 it reached 92% in 55 steps
-  (mean) with best accuracy 0.939, Adam's 0.940 (README, the ablation's goals item);
+  (mean) with best accuracy 0.939, Adam's 0.940 (benchmarks/README.md, the ablation's goals item);
 * the first-order optimizers of each benchmark at their tuned rates, for the goals (THOR's
   steps at most kfac's and Muon's; its best result within 0.2 points of the best first-order
   optimizer's): SGD-momentum, Adam and Muon on MNIST, AdamW and Muon on the language model,

@@ -8,7 +8,7 @@ preconditioner is optax's own. The whole chain sits inside :func:`finite.skip_no
 step whose gradient or update is not finite (a NaN in the data, a NaN learning rate or damping
 from a schedule) returns zero updates and leaves momentum and curvature state as they were.
 
-Robust defaults (README, "Robustness"): every alias KL-clips its preconditioned update
+Robust defaults (benchmarks/README.md, "Robustness"): every alias KL-clips its preconditioned update
 (``max_kl=1e-2``; ``kaisa``: KAISA's 1e-3; Ba et al. 2017, section 5) and floors each factor
 block's damping at ``min_relative_damping=0.1`` times its mean eigenvalue (``damping.py``). On
 a learning-rate x damping grid of the MNIST MLP these took THOR and SKFAC from 15 and 16
@@ -134,7 +134,7 @@ def thor(
       of ``benchmarks/lm.py`` to AdamW's final validation loss in 200 steps instead of 280
       (one seed; final 3.352 bits per character against 3.396); both learning-rate x damping
       grids of ``benchmarks/robustness.py`` stayed without a non-finite or diverged run
-      (README, "Which of THOR's approximations costs steps").
+      (benchmarks/README.md, "Which of THOR's approximations costs steps").
     weight_decay: coefficient added to the preconditioned gradient (the paper: 5e-4).
     weight_decay_mask: optax mask (tree or callable) of the parameters that decay.
     block_size, trace_thresholds, max_stale_checks, inverse_method: see :func:`scale_by_thor`.
@@ -147,8 +147,8 @@ def thor(
       ``sqrt(lambda)`` (4e-4 to 2e-3 on the MNIST MLP's hidden layers against ``sqrt(0.03) =
       0.17``), so the equal split leaves ``(G + sqrt(lambda) I)^-1`` close to a multiple of the
       identity and preconditions the input side only; the rule moves damping from ``G`` to
-      ``A``. Evidence (README, "Which of THOR's approximations costs steps", 6 seeds, the
-      tuned settings): with ``max_pi=5``, the floor below and the KL clip at 1e-2, THOR reached
+      ``A``. Evidence (benchmarks/README.md, "Which of THOR's approximations costs steps", 6 seeds,
+      the tuned settings): with ``max_pi=5``, the floor below and the KL clip at 1e-2, THOR reached
       92% test accuracy on the MNIST MLP in 65 steps (means) instead of the equal split's 95,
       with best accuracy 0.936 instead of 0.927, and 95 / 96 / 97% on the CNN in 62 / 77 / 163
       instead of 62 / 78 / 140; the language model of ``benchmarks/lm.py`` (one seed) ended
@@ -170,9 +170,9 @@ def thor(
       rule refreshes it, is about ``1 / sqrt(lambda)`` on every direction the batch missed;
       the average fills those directions from earlier checks. A block from ``R >= 4 d`` rows
       is well conditioned on its own, and averaging it only keeps stale curvature. Evidence
-      (README, "Which of THOR's approximations costs steps", 3 seeds): on the MNIST models
-      these defaults took the CNN to 95 / 96 / 97% test accuracy in 70 / 83 / 137 steps (means)
-      instead of the paper's 83 / 97 / 173, and the MLP to 92% in 103 instead of 127; on the
+      (benchmarks/README.md, "Which of THOR's approximations costs steps", 3 seeds): on the MNIST
+      models these defaults took the CNN to 95 / 96 / 97% test accuracy in 70 / 83 / 137 steps
+      (means) instead of the paper's 83 / 97 / 173, and the MLP to 92% in 103 instead of 127; on the
       language model of ``benchmarks/lm.py`` (1,024 rows per block) averaging every block cost
       steps (80 instead of 60 to 3.8 bits per character, final 3.460 instead of 3.396), and
       with the ratio its blocks are not averaged (final 3.391). The stored factors double the
@@ -194,12 +194,12 @@ def thor(
       ``lr^2 <u, g> <= max_kl``; KAISA's), or ``None`` for none. Default 3e-2, 30 times
       kfac-pytorch's 1e-3 (which slowed THOR on the MNIST MLP; the other aliases: 1e-2). With
       the floor below it keeps every setting of a learning-rate x damping grid finite and
-      training (README, "Robustness"). At the tuned settings the clip binds on the MNIST CNN's
-      early steps: with 3e-2 instead of 1e-2 THOR reached 95 / 96 / 97% test accuracy in 50 /
-      72 / 130 steps instead of 62 / 77 / 163 (means of 6 seeds; 0.1: 47 / 70 / 97% in 4 of 6),
+      training (benchmarks/README.md, "Robustness"). At the tuned settings the clip binds on the
+      MNIST CNN's early steps: with 3e-2 instead of 1e-2 THOR reached 95 / 96 / 97% test accuracy in
+      50 / 72 / 130 steps instead of 62 / 77 / 163 (means of 6 seeds; 0.1: 47 / 70 / 97% in 4 of 6),
       the MLP's runs were unchanged, and the language model of ``benchmarks/lm.py`` reached
-      AdamW's final loss in the same 200 steps (README, "Which of THOR's approximations costs
-      steps").
+      AdamW's final loss in the same 200 steps (benchmarks/README.md, "Which of THOR's
+      approximations costs steps").
       On a plain step with ``gradient_stats=`` the clip's ``<u, g>`` of a layer preconditioned
       from its rows comes from the rows too, so its kernel gradient is still not formed.
     max_update_ratio: clip each kernel's step (after the learning rate and momentum) to at
@@ -208,7 +208,7 @@ def thor(
       :func:`spngd`) for no clip. :func:`kaisa` takes 0.1 by default. In ``thor`` 0.1 binds at
       the tuned rate: the MNIST CNN reached 95 / 96% in more steps (6 seeds) and, at damping
       1e-4 on seeds 3-5 of init and batch order, three runs of 12 diverged instead of one (with
-      the collapse rule at 1% then; README, "Robustness").
+      the collapse rule at 1% then; benchmarks/README.md, "Robustness").
     min_relative_damping: floor ``rho`` on each factor block's damping relative to its mean
       eigenvalue (see :func:`scale_by_thor`); 0 for the paper's damping alone. Default 1 (the
       other aliases: 0.1). With the pi rule, ``G`` gets as little as ``sqrt(lambda) / 5``,
@@ -408,7 +408,7 @@ def kaisa(
       ``benchmarks/robustness.py`` the run at lr 0.003 and damping 1e-4 took steps of 20-30% of
       its kernels' norms and diverged (last-10 loss 320 against 2.30 at the first step);
       with the clip it trains (2e-6), and at the tuned settings the clip never acts (the same
-      steps to every target on 6 seeds of both MNIST models; README, "Robustness").
+      steps to every target on 6 seeds of both MNIST models; benchmarks/README.md, "Robustness").
     block_sharding, axis_name, precondition_mask, layers, min_relative_damping,
       skip_not_finite: as :func:`thor`.
 
@@ -476,7 +476,8 @@ def spngd(
       on a convolution, whose ``G`` then gets as little as ``sqrt(lambda) / pi``, and three
       settings of the CNN's learning-rate x damping grid of ``benchmarks/robustness.py`` ended
       in loss spikes above the first step's loss (lr 0.03 and damping 1e-3 / 1e-4, lr 0.3 and
-      damping 1e-3: last-10 losses 3.08, 3.72, 3.96 against 2.30; README, "Robustness").
+      damping 1e-3: last-10 losses 3.08, 3.72, 3.96 against 2.30; benchmarks/README.md,
+      "Robustness").
 
   Returns:
     an ``optax.GradientTransformationExtraArgs``.

@@ -15,9 +15,9 @@ scales every layer's update down to it. Clipped, the rule still splits the dampi
 factors' scales where they differ modestly (the MNIST MLP: ``pi`` from 5 to 16). There the
 equal split adds ``sqrt(0.03) = 0.17`` to a ``G`` of mean eigenvalue 4e-4 to 2e-3, so
 ``(G + 0.17 I)^-1`` is close to ``I / 0.17`` and only the input side is preconditioned.
-Measured (README, "Which of THOR's approximations costs steps"): with ``max_pi=5`` THOR needs
-fewer steps on the MNIST MLP (92% test accuracy in 65 steps instead of 95, 6 seeds). With the
-floor below at 0.1, one setting of a learning-rate x damping grid diverged at ``lambda =
+Measured (benchmarks/README.md, "Which of THOR's approximations costs steps"): with ``max_pi=5``
+THOR needs fewer steps on the MNIST MLP (92% test accuracy in 65 steps instead of 95, 6 seeds). With
+the floor below at 0.1, one setting of a learning-rate x damping grid diverged at ``lambda =
 1e-4``; with the floor at 1 both grids train in every setting, so the ``thor`` alias uses
 ``pi_damping=True, max_pi=5, min_relative_damping=1``. ``spngd`` takes the rule unclipped,
 as SP-NGD does; ``kfac`` and ``skfac`` split equally; ``kaisa`` (eigh) damps exactly.
@@ -29,8 +29,8 @@ times that mean's inverse, whatever ``lambda``. Factors formed from fewer
 rows than dimensions (THOR's current batch) are singular, and with a small ``lambda`` a stale
 inverse scales the new gradient's components outside the old rows by ``1 / sqrt(lambda)``:
 this is what made THOR and SKFAC diverge at ``lambda <= 0.01`` on a learning-rate x damping
-grid (README, "Robustness"). For eigh each factor's eigenvalues are floored at ``rho`` times
-their mean (:func:`floored_eigenvalues`) before ``lambda`` is added to their products.
+grid (benchmarks/README.md, "Robustness"). For eigh each factor's eigenvalues are floored at ``rho``
+times their mean (:func:`floored_eigenvalues`) before ``lambda`` is added to their products.
 
 References:
   Chen et al., "THOR", AAAI 2021 (split damping).
@@ -141,7 +141,7 @@ def collapsed(traces: jax.Array, trace_ref: jax.Array, damping: jax.Array,
   diverged. With the ratio at 1% (before) the same grid on seed 3 of init and batch order
   diverged at a check whose batch had a loss of 7.5e-5 (last-10 loss 39.6); at 10% it ends at
   1.2, and the steps of ``benchmarks/ablation.py``'s ``thor`` row are those at 1% on 6 seeds
-  of both MNIST models (README, "Robustness").
+  of both MNIST models (benchmarks/README.md, "Robustness").
 
   A rejection multiplies the block's reference by ``COLLAPSE_DECAY`` (0.5; done by the check
   step, ``check_step.without_collapsed``): statistics that fall and stay low, as a ``G`` may

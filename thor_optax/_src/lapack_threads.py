@@ -8,9 +8,9 @@ each call, OpenBLAS keeps its worker threads busy-waiting for new work for about
 hold the cores that XLA's thread pool runs the next steps on. Measured on the MNIST MLP of
 ``benchmarks/mnist.py`` (2-core CPU, checks every 5 to 50 steps): THOR's plain steps took 7-8 ms
 for up to about 12 steps after each check against 4.1 ms with one LAPACK thread, and the check
-step itself 17-20 ms against 11-14 ms (README, "The default run"). On one thread a 128-block
-takes tens of microseconds (SciPy's ``spotrf`` 36 us, ``strsm`` for its inverse 61-75 us), and
-jaxlib calls one block at a time on CPU (``linalg.lapack_safe``), so more threads gain little.
+step itself 17-20 ms against 11-14 ms (benchmarks/README.md, "The default run"). On one thread a
+128-block takes tens of microseconds (SciPy's ``spotrf`` 36 us, ``strsm`` for its inverse 61-75 us),
+and jaxlib calls one block at a time on CPU (``linalg.lapack_safe``), so more threads gain little.
 
 The limit is process-wide (a C library's setting): SciPy's own ``scipy.linalg`` calls in the same
 process run on one thread too while it holds. :func:`limit_lapack_threads` leaves it to the user
@@ -68,8 +68,8 @@ def limit_lapack_threads(num_threads: int = 1) -> threadpoolctl.ThreadpoolLimite
     ValueError: if ``num_threads`` is not an int ``>= 1``.
 
   Source: OpenBLAS issue 5171 (idle workers busy-wait ``2**OPENBLAS_THREAD_TIMEOUT`` cycles);
-  measured in the README's "The default run" (THOR's plain step 1.6-1.9x SGD's instead of 2.6-2.8x
-  in the MNIST MLP's training loop).
+  measured in benchmarks/README.md, "The default run" (THOR's plain step 1.6-1.9x SGD's instead of
+  2.6-2.8x in the MNIST MLP's training loop).
   """
   if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
     raise ValueError(

@@ -488,8 +488,8 @@ def scale_by_thor(
       is pinned by the normalization (``d`` per row at unit scale), so the rule alone refreshes
       such ``A`` blocks only once (``refresh/trace_rule.py``). Adds an ``(n,)`` int32 count per
       block stack to the state (``BoundedTraceRuleState``). Anything else raises
-      ``ValueError``. Evidence (README, "Which of THOR's approximations costs steps"): on the
-      language model of ``benchmarks/lm.py`` (seed 0) ``K = 1`` with :func:`thor`'s defaults
+      ``ValueError``. Evidence (benchmarks/README.md, "Which of THOR's approximations costs steps"):
+      on the language model of ``benchmarks/lm.py`` (seed 0) ``K = 1`` with :func:`thor`'s defaults
       was at 3.567 bits per character at step 100 against 3.602 and ended level (3.331
       against 3.326), ``K = 3`` ended behind (3.363); on the MNIST models ``K = 1`` cost steps
       (MLP: 92% in 70 steps instead of 65, means of 6 seeds), so no alias sets it.
@@ -519,8 +519,8 @@ def scale_by_thor(
       ``rho tr(B) / min(R, d)`` (eigh: each factor's eigenvalues are floored at ``rho`` times
       their mean before ``lambda`` is added to their products). It bounds what a stale inverse
       of a singular current-batch factor does to new gradients when ``lambda`` is small; 0
-      (default): none, the papers' damping. The aliases use 0.1, :func:`thor` 1 (README,
-      "Robustness").
+      (default): none, the papers' damping. The aliases use 0.1, :func:`thor` 1
+      (benchmarks/README.md, "Robustness").
     refresh_buckets: the number of static budgets a masked refresh chooses from
       (``blocks.masked_block_update``); more buckets track the refreshed count more tightly at
       the cost of compile time. They apply to the covariances of the blocks due, and on GPU and

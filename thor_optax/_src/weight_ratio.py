@@ -6,8 +6,9 @@ and factors from few rows) a long step is cheap by that measure, and momentum ad
 steps: on the MNIST CNN's learning-rate x damping grid of ``benchmarks/robustness.py`` (KAISA,
 lr 0.003, damping 1e-4) the steps of the dense kernels and the second convolution's were 20-30%
 of the kernel's norm from the second or third step on (about 3% at the tuned setting), the loss
-rose from step 4 and reached 320 (README, "Robustness"). This clip bounds the step itself,
-layer by layer: each kernel's update ``u`` (after the learning rate and momentum) is scaled by
+rose from step 4 and reached 320 (benchmarks/README.md, "Robustness"). This clip bounds the step
+itself, layer by layer: each kernel's update ``u`` (after the learning rate and momentum) is
+scaled by
 
     min(1, max_ratio * max(|w|, eps_rms * sqrt(size(w))) / |u|),
 
