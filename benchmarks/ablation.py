@@ -166,7 +166,7 @@ ROWS = (
         "rescaling (thor_optax.rescale_weight_norms chained after it) at SP-NGD's tuned rate "
         "and damping (0.03, 0.01; --learning-rate / --damping do not apply)", ("mlp",)),
     # First-order references at their tuned rates (mnist / lm DEFAULT_LEARNING_RATE).
-    Row("sgd", None, None, "optax.sgd, momentum 0.9", MNIST_TASKS),
+    Row("sgd", None, None, "optax.sgd, momentum 0.9 (lm: lm.py's schedule)"),
     Row("adam", None, None, "optax.adam", MNIST_TASKS),
     Row("adamw", None, None, "optax.adamw (weight decay 1e-4), lm.py's schedule", ("lm",)),
     Row("muon", None, None, "optax.contrib.muon (Adam for the output layer, embeddings, biases "

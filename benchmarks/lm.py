@@ -1,4 +1,4 @@
-"""THOR and K-FAC (expand / reduce) against AdamW and Muon on a character-level transformer LM.
+"""THOR and K-FAC (expand / reduce) against SGD, AdamW and Muon on a character-level LM.
 
 A decoder-only transformer in Flax linen learns to predict the next character of real text: the
 Python source files of a fixed list of standard-library packages, read from this interpreter's
@@ -9,7 +9,7 @@ same initialization and sees the same batches; the benchmark measures, per optim
   = training time / steps), and the compile time of each step function;
 * progress: steps and seconds of training to each validation-loss target (bits per
   character), the final validation loss, and the steps and seconds to AdamW's final validation
-  loss, with the ratios of step times and of those seconds against AdamW and Muon;
+  loss, with the ratios of step times and of those seconds against SGD, AdamW and Muon;
 * for the second-order optimizers the fraction of the model's parameters preconditioned: the
   scalars of the layers the capture takes (``thor_optax.captured_mask`` of the statistics),
   over all scalars; the statistics' ``unhandled`` list names the rest.
@@ -45,8 +45,9 @@ Setup:
   nesterov=False, pi_damping=False, min_relative_damping=0.1, max_kl=1e-2``), ``kfac-expand`` and
   ``kfac-reduce`` (``thor_optax.kfac``: whole factors, running averages, a check every 10 steps;
   their statistics captured with ``value_and_grad_with_stats(..., weight_sharing='expand' /
-  'reduce')``, K-FAC-expand and K-FAC-reduce of Eschenhagen et al. 2023), ``adamw``
-  (``optax.adamw``, its default weight decay 1e-4) and ``muon`` (``optax.contrib.muon``: Muon on
+  'reduce')``, K-FAC-expand and K-FAC-reduce of Eschenhagen et al. 2023), ``sgd``
+  (``optax.sgd``, momentum 0.9), ``adamw`` (``optax.adamw``, its default weight decay 1e-4) and
+  ``muon`` (``optax.contrib.muon``: Muon on
   the matrices of the scanned blocks -- the attention projections with their head axes as matrix
   axes, the MLP kernels -- with the stack axis as a batch axis; AdamW at AdamW's learning rate on
   the embeddings, the head, the biases and the LayerNorms, as Muon is meant to be used). Every
@@ -57,7 +58,8 @@ Setup:
 * the second-order optimizers use two jitted steps like ``benchmarks/mnist.py``: a *check step*
   (``value_and_grad_with_stats`` and ``tx.update(..., curvature_stats=stats)``) and a *plain
   step* (``jax.value_and_grad`` and ``tx.update`` with the stored inverses); a host-side
-  ``thor_optax.CheckSchedule`` picks one at every step. AdamW and Muon only have plain steps;
+  ``thor_optax.CheckSchedule`` picks one at every step. SGD, AdamW and Muon only have plain
+  steps;
 * timing: every step function is compiled ahead of time (``jax.jit(step, donate_argnums=(0,
   1)).lower(...).compile()``, timed: the compile columns; parameters and optimizer state
   donated, as in a training loop) and then each step is timed up to ``jax.block_until_ready`` of
@@ -71,9 +73,8 @@ selects K-FAC-expand or K-FAC-reduce for layers applied over a shared sequence a
 ``'auto'``, is expand here: the loss has a term per position). The table's ``capture`` column
 says which each run used.
 
-Run (all defaults: 5 optimizers, 300 steps of 8 x 128 characters; the first command took 4 min
-23 s of wall time, by ``time``, on a 2-core CPU with no other job running: 66 s of it
-compiling, 167 s training)::
+Run (all defaults: 7 optimizers, 300 steps of 8 x 128 characters; the first command took 2 min
+23 s of wall time, by ``time``, on a 2-core CPU with no other job running)::
 
   python3 benchmarks/lm.py --out results.json --plot lm.png
   python3 benchmarks/lm.py --optimizers thor adamw --steps 600
@@ -84,7 +85,7 @@ Learning rates and damping (``DEFAULT_LEARNING_RATE``, ``DEFAULT_DAMPING``) are 
   python3 benchmarks/lm.py --tune
 
 selected (adamw and muon: 75 minutes on a 2-core CPU shared with other jobs, load average 5-10,
-run as ``--tune --optimizers adamw muon``; thor: 18 minutes, ``--tune --optimizers thor``, the
+run as ``--tune --optimizers adamw muon``; sgd: 77 s, ``--tune --optimizers sgd``; thor: 18 minutes, ``--tune --optimizers thor``, the
 joint search below; kfac-expand, kfac-reduce and thor-paper: the earlier, coordinate-wise search
 of 59 minutes, ``--tune --optimizers thor kfac-expand kfac-reduce``, once the capture
 preconditioned the attention projections and had the ``weight_sharing`` option). For every
@@ -105,6 +106,9 @@ steps no run sees the training text twice). Selected (mean validation bits per c
 brackets, over the 15 evaluations of 300 steps; "final" is the last; "diverged": a mean above
 5):
 
+  sgd    lr 0.0646  (3.9550, final 3.7134)   grid 0.03: 4.0628, 0.0646: 3.9550, 0.139: 4.0694,
+                                             0.3: 4.0913, 0.646: diverged, 1.39: diverged,
+                                             3: diverged
   adamw  lr 0.003   (3.6695, final 3.4205)   grid 0.0003: 4.0378, 0.000646: 3.8628,
                                              0.00139: 3.7482, 0.00646: 3.6777, 0.0139: 3.8029,
                                              0.03: 3.9888
@@ -194,7 +198,7 @@ VALIDATION_MODULUS = 10  # a file is in the validation split if sha256(path) % 1
 # choices (benchmarks/ablation.py; thor's default ema_rows_ratio averages no dense block here,
 # only the embedding's diagonal and the LayerNorms' 2x2 blocks).
 SECOND_ORDER = ("thor", "thor-paper", "kfac-expand", "kfac-reduce")
-OPTIMIZERS = SECOND_ORDER + ("adamw", "muon")
+OPTIMIZERS = SECOND_ORDER + ("sgd", "adamw", "muon")
 # The capture's weight-sharing option of each second-order optimizer (None: the default).
 WEIGHT_SHARING = {"thor": None, "thor-paper": None, "kfac-expand": "expand",
                   "kfac-reduce": "reduce"}
@@ -210,12 +214,12 @@ DEFAULT_CHECKS = {"thor": (2, 20, 200), "thor-paper": (2, 20, 200), "kfac-expand
 
 # Peak learning rates and damping selected by `--tune` (see the module docstring).
 DEFAULT_LEARNING_RATE = {"thor": 0.00215, "thor-paper": 0.0139, "kfac-expand": 0.03,
-                         "kfac-reduce": 0.00646, "adamw": 3e-3, "muon": 0.03}
+                         "kfac-reduce": 0.00646, "sgd": 0.0646, "adamw": 3e-3, "muon": 0.03}
 DEFAULT_DAMPING = {"thor": 3.16e-5, "thor-paper": 0.03, "kfac-expand": 0.1, "kfac-reduce": 0.03}
 
 # `--tune`: centre of each optimizer's learning-rate grid centre * 10 ** linspace(-1, 1, 7).
 TUNE_CENTRE = {"thor": 0.01, "thor-paper": 0.01, "kfac-expand": 0.01, "kfac-reduce": 0.01,
-               "adamw": 3e-3, "muon": 0.03}
+               "sgd": 0.3, "adamw": 3e-3, "muon": 0.03}
 TUNE_BASE_DAMPING = 0.03
 TUNE_DAMPING_GRID = (1e-4, 1e-3, 0.01, 0.1)
 
@@ -452,6 +456,8 @@ def make_optimizer(cfg: Config, num_steps: int, precondition_mask: Any = None
   if cfg.optimizer.startswith("kfac"):
     return (thor_optax.kfac(lr, cfg.damping, precondition_mask=precondition_mask),
             options.check_schedule(cfg.checks))
+  if cfg.optimizer == "sgd":
+    return optax.sgd(lr, momentum=0.9), None
   if cfg.optimizer == "adamw":
     return optax.adamw(lr), None
   if cfg.optimizer == "muon":
@@ -671,29 +677,33 @@ def summarize(cfg: Config, history: History, targets: tuple[float, ...]) -> dict
 
 
 def add_ratios(records: list, tokens_per_step: int) -> None:
-  """Adds tokens/s, and ratios against AdamW and Muon, to every record (in place).
+  """Adds tokens/s, and ratios against SGD, AdamW and Muon, to every record (in place).
 
-  * ``x_adamw_ms`` / ``x_muon_ms``: mean ms/step over AdamW's / Muon's;
-  * ``plain_x_adamw``: median plain step over AdamW's median step;
+  * ``x_sgd_ms`` / ``x_adamw_ms`` / ``x_muon_ms``: mean ms/step over SGD's / AdamW's / Muon's;
+  * ``plain_x_sgd`` / ``plain_x_adamw``: median plain step over SGD's / AdamW's median step;
   * ``steps_to_adamw_final`` / ``seconds_to_adamw_final``: first evaluation at or below AdamW's
-    final validation loss; ``time_x_adamw`` / ``time_x_muon``: those seconds over AdamW's /
-    Muon's seconds to the same loss (``None`` where either did not reach it).
+    final validation loss; ``time_x_sgd`` / ``time_x_adamw`` / ``time_x_muon``: those seconds
+    over SGD's / AdamW's / Muon's seconds to the same loss (``None`` where either did not reach
+    it).
   """
   by_name = {r["optimizer"]: r for r in records}
-  adamw, muon = by_name.get("adamw"), by_name.get("muon")
+  firsts = {name: by_name.get(name) for name in ("sgd", "adamw", "muon")}
+  adamw = firsts["adamw"]
   reference = adamw["final_val_bpc"] if adamw else None
   for r in records:
     r["tokens_per_s"] = tokens_per_step / (r["mean_ms_per_step"] / 1e3)
-    r["x_adamw_ms"] = r["mean_ms_per_step"] / adamw["mean_ms_per_step"] if adamw else None
-    r["x_muon_ms"] = r["mean_ms_per_step"] / muon["mean_ms_per_step"] if muon else None
-    r["plain_x_adamw"] = (r["plain_ms"] / adamw["median_ms_per_step"]
-                          if adamw and r["plain_ms"] else None)
+    for name, ref in firsts.items():
+      r[f"x_{name}_ms"] = r["mean_ms_per_step"] / ref["mean_ms_per_step"] if ref else None
+    for name in ("sgd", "adamw"):
+      ref = firsts[name]
+      r[f"plain_x_{name}"] = (r["plain_ms"] / ref["median_ms_per_step"]
+                              if ref and r["plain_ms"] else None)
     r["adamw_final_bpc"] = reference
     r["steps_to_adamw_final"], r["seconds_to_adamw_final"] = (
         first_reached(r["curve"], reference) if reference is not None else (None, None))
   for r in records:
     mine = r["seconds_to_adamw_final"]
-    for name, ref in (("adamw", adamw), ("muon", muon)):
+    for name, ref in firsts.items():
       theirs = ref["seconds_to_adamw_final"] if ref else None
       r[f"time_x_{name}"] = mine / theirs if mine is not None and theirs else None
 
@@ -724,8 +734,8 @@ def print_tables(records: list, meta: dict) -> None:
         f"{meta['context']} characters; jax {meta['jax']}, {meta['device']}, max load average "
         f"{meta['max_load_average']:.2f} ==")
   header = ["optimizer", "lr", "damping", "capture", "precond.", "tokens/s", "ms/step",
-            "x AdamW", "x Muon", "check ms", "plain ms", "plain x AdamW", "checks",
-            "check comp s", "plain comp s"]
+            "x SGD", "x AdamW", "x Muon", "check ms", "plain ms", "plain x SGD",
+            "plain x AdamW", "checks", "check comp s", "plain comp s"]
   rows = []
   for r in records:
     rows.append([
@@ -733,27 +743,29 @@ def print_tables(records: list, meta: dict) -> None:
         r["capture"] or "-",
         _fmt(r["preconditioned_fraction"], ".1%"),
         f"{r['tokens_per_s']:,.0f}", f"{r['mean_ms_per_step']:.1f}",
-        _fmt(r["x_adamw_ms"], ".2f"), _fmt(r["x_muon_ms"], ".2f"),
-        _fmt(r["check_ms"], ".1f"), _fmt(r["plain_ms"], ".1f"), _fmt(r["plain_x_adamw"], ".2f"),
+        _fmt(r["x_sgd_ms"], ".2f"), _fmt(r["x_adamw_ms"], ".2f"), _fmt(r["x_muon_ms"], ".2f"),
+        _fmt(r["check_ms"], ".1f"), _fmt(r["plain_ms"], ".1f"), _fmt(r["plain_x_sgd"], ".2f"),
+        _fmt(r["plain_x_adamw"], ".2f"),
         str(r["num_checks"]),
         _fmt(r["compile_s"].get("check"), ".1f"), _fmt(r["compile_s"].get("plain"), ".1f")])
   _print_rows(header, rows)
-  print("ms/step: training time / steps (check and plain); x AdamW / x Muon: its ratio to "
-        "AdamW's / Muon's; check / plain ms: medians\nof each kind (AdamW and Muon: their "
-        "steps); plain x AdamW: median plain step / AdamW's median step; precond.: share of "
-        "the parameters\nin layers the capture takes.")
+  print("ms/step: training time / steps (check and plain); x SGD / AdamW / Muon: its ratio to "
+        "SGD's / AdamW's / Muon's; check / plain ms:\nmedians of each kind (SGD, AdamW and "
+        "Muon: their steps); plain x SGD / AdamW: median plain step / their median step; "
+        "precond.:\nshare of the parameters in layers the capture takes.")
 
   header = (["optimizer"] + [f"steps<={t:g}" for t in targets]
             + [f"s<={t:g}" for t in targets]
-            + ["final bpc", "steps<=AdamW", "s<=AdamW", "time x AdamW", "time x Muon"])
+            + ["final bpc", "steps<=AdamW", "s<=AdamW", "time x SGD", "time x AdamW",
+               "time x Muon"])
   rows = []
   for r in records:
     rows.append(
         [r["optimizer"]] + [_fmt(r["steps_to"][str(t)], "d") for t in targets]
         + [_fmt(r["seconds_to"][str(t)], ".1f") for t in targets]
         + [f"{r['final_val_bpc']:.3f}", _fmt(r["steps_to_adamw_final"], "d"),
-           _fmt(r["seconds_to_adamw_final"], ".1f"), _fmt(r["time_x_adamw"], ".2f"),
-           _fmt(r["time_x_muon"], ".2f")])
+           _fmt(r["seconds_to_adamw_final"], ".1f"), _fmt(r["time_x_sgd"], ".2f"),
+           _fmt(r["time_x_adamw"], ".2f"), _fmt(r["time_x_muon"], ".2f")])
   print()
   _print_rows(header, rows)
   reference = first.get("adamw_final_bpc")
@@ -761,7 +773,7 @@ def print_tables(records: list, meta: dict) -> None:
         f"evaluated every {meta['eval_every']} steps; steps / s <= x: first evaluation at or "
         f"below x\n(training seconds); AdamW: its final validation loss"
         + (f" ({reference:.3f})" if reference is not None else "")
-        + "; time x AdamW / Muon: seconds to that loss over AdamW's / Muon's.")
+        + "; time x SGD / AdamW / Muon: seconds to that loss over theirs.")
   unhandled = next((r["unhandled"] for r in records if r["unhandled"]), [])
   if unhandled:
     print("not preconditioned (the capture's unhandled list): " + "; ".join(unhandled))
