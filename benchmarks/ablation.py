@@ -162,6 +162,8 @@ ROWS = (
         "damping floor, a tenth of each block's mean eigenvalue"),
     Row("thor-equal", _thor(pi_damping=False), GROWING, "thor with THOR's equal damping split "
         "(pi_damping=False)"),
+    Row("thor-debias", _thor(debias_momentum=True), GROWING, "thor with its momentum's bias "
+        "correction (debias_momentum=True: full-size first steps)"),
     Row("thor-sp", _thor_sp("mlp"), GROWING, "thor with whole factors and SP-NGD's weight "
         "rescaling (thor_optax.rescale_weight_norms chained after it) at SP-NGD's tuned rate "
         "and damping (0.03, 0.01; --learning-rate / --damping do not apply)", ("mlp",)),

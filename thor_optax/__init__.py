@@ -15,6 +15,8 @@ Public API (import from here, ``thor_optax.flax`` or ``thor_optax.nnx``; never f
 * ``clip_by_weight_ratio``: each kernel's step at most a share of its norm (``kaisa``'s
   ``max_update_ratio``).
 * ``rescale_weight_norms``: SP-NGD's cap of kernel norms at ``sqrt(2 d_out)``.
+* ``scale_by_momentum_bias_correction``: full-size first steps for momentum SGD (the aliases'
+  ``debias_momentum``).
 * ``kronecker_state_sharding``: shardings of the curvature state on a device mesh (replicated,
   or block stacks sharded: KAISA's COMM-OPT / MEM-OPT / HYBRID-OPT).
 * ``concatenate_stats``: the statistics of a batch from those of its micro-batches (gradient
@@ -64,6 +66,7 @@ from thor_optax._src.layers.base import LayerKind
 from thor_optax._src.micro_batches import concatenate_stats
 from thor_optax._src.kl_clip import scale_by_kl_clip
 from thor_optax._src.weight_ratio import clip_by_weight_ratio
+from thor_optax._src.momentum import scale_by_momentum_bias_correction
 from thor_optax._src.finite import skip_not_finite
 from thor_optax._src.lapack_threads import limit_lapack_threads
 from thor_optax._src.stats import DenseGeneralStats
@@ -109,6 +112,7 @@ __all__ = (
     "scale_by_kfac",
     "scale_by_kl_clip",
     "clip_by_weight_ratio",
+    "scale_by_momentum_bias_correction",
     "scale_by_thor",
     "skfac",
     "skip_not_finite",
