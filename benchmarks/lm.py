@@ -85,10 +85,11 @@ Learning rates and damping (``DEFAULT_LEARNING_RATE``, ``DEFAULT_DAMPING``) are 
   python3 benchmarks/lm.py --tune
 
 selected (adamw and muon: 75 minutes on a 2-core CPU shared with other jobs, load average 5-10,
-run as ``--tune --optimizers adamw muon``; sgd: 77 s, ``--tune --optimizers sgd``; thor: 18 minutes, ``--tune --optimizers thor``, the
-joint search below; kfac-expand, kfac-reduce and thor-paper: the earlier, coordinate-wise search
-of 59 minutes, ``--tune --optimizers thor kfac-expand kfac-reduce``, once the capture
-preconditioned the attention projections and had the ``weight_sharing`` option). For every
+run as ``--tune --optimizers adamw muon``; sgd: 77 s, ``--tune --optimizers sgd``; thor: 18
+minutes, ``--tune --optimizers thor``, the joint search below; kfac-expand, kfac-reduce and
+thor-paper: the earlier, coordinate-wise search of 59 minutes, ``--tune --optimizers thor
+kfac-expand kfac-reduce``, once the capture preconditioned the attention projections and had the
+``weight_sharing`` option). For every
 optimizer it trains, from the same init and on the same batches, each learning rate of the grid
 ``centre * 10 ** linspace(-1, 1, 7)`` (7 rates over a factor of 100, centres ``TUNE_CENTRE``; a
 grid whose best rate is on its edge is extended on that side) for ``--tune-steps`` steps
@@ -687,15 +688,15 @@ def add_ratios(records: list, tokens_per_step: int) -> None:
     it).
   """
   by_name = {r["optimizer"]: r for r in records}
-  firsts = {name: by_name.get(name) for name in ("sgd", "adamw", "muon")}
-  adamw = firsts["adamw"]
+  references = {name: by_name.get(name) for name in ("sgd", "adamw", "muon")}
+  adamw = references["adamw"]
   reference = adamw["final_val_bpc"] if adamw else None
   for r in records:
     r["tokens_per_s"] = tokens_per_step / (r["mean_ms_per_step"] / 1e3)
-    for name, ref in firsts.items():
+    for name, ref in references.items():
       r[f"x_{name}_ms"] = r["mean_ms_per_step"] / ref["mean_ms_per_step"] if ref else None
     for name in ("sgd", "adamw"):
-      ref = firsts[name]
+      ref = references[name]
       r[f"plain_x_{name}"] = (r["plain_ms"] / ref["median_ms_per_step"]
                               if ref and r["plain_ms"] else None)
     r["adamw_final_bpc"] = reference
@@ -703,7 +704,7 @@ def add_ratios(records: list, tokens_per_step: int) -> None:
         first_reached(r["curve"], reference) if reference is not None else (None, None))
   for r in records:
     mine = r["seconds_to_adamw_final"]
-    for name, ref in firsts.items():
+    for name, ref in references.items():
       theirs = ref["seconds_to_adamw_final"] if ref else None
       r[f"time_x_{name}"] = mine / theirs if mine is not None and theirs else None
 
