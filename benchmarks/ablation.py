@@ -38,10 +38,15 @@ task's THOR schedule: ``growing_interval(5, 50, 200)`` on MNIST (``mnist.DEFAULT
 ``--seeds`` seeds; a seed ``s`` sets the initial parameters and the batch order
 (``mnist.init_variables(..., s)`` and ``mnist.batch_order(..., s)``; ``model.init(PRNGKey(s))``
 and ``lm.batch_offsets(..., s)``); the train / test split and the validation text are fixed.
-The table prints, per row, the steps to each target for every seed (``-``: not reached), the
-mean best and final result over the seeds (evaluated every ``--eval-every`` steps), the median
-check step (ms) and the mean training seconds (on a quiet machine; contention inflates them,
-steps are unaffected).
+The table prints, per row, the steps to each target for every seed (``-``: not reached) and
+their mean over the seeds that reached it, the mean best and final result over the seeds
+(evaluated every ``--eval-every`` steps), the median check step (ms) and the mean training
+seconds (on a quiet machine; contention inflates them, steps are unaffected). A second table
+compares one row (``--compare``, default ``thor``) with each other row seed by seed: the mean
+difference in steps to each target with its standard error over the seeds where both reached
+it, and the mean difference in best result. Three seeds rarely settle a comparison (on the CNN,
+seeds 0-5 put Muon ahead of ``thor`` to 95% and seeds 6-11 put it behind), so runs save their
+records (``--out``) and ``--records`` prints the tables of several runs' records together.
 
 Run (MNIST: 2 tasks x 22 rows x 3 seeds, about 45 minutes on a 2-core CPU shared with other
 jobs; the language model: 20 s to 2 minutes a row and seed, the rows checking at every step
@@ -52,6 +57,9 @@ the slowest; 12 rows x 3 seeds took 36 minutes beside the test suite)::
   python3 benchmarks/ablation.py --rows thor-pi --learning-rate 0.0646 --damping 0.1
   python3 benchmarks/ablation.py --tasks lm --seeds 0 --rows kfac +current +blocks +trace \
       +growing +average +nesterov +pi thor adamw muon
+  python3 benchmarks/ablation.py --tasks mlp cnn --rows kfac thor sgd adam muon \
+      --seeds 0 1 2 3 4 5 6 7 8 9 10 11 --eval-every 5 --out mnist12.json
+  python3 benchmarks/ablation.py --records mnist12.json more_seeds.json --compare thor
 """
 
 from __future__ import annotations
@@ -305,8 +313,69 @@ def load_data(task: str) -> Any:
   return args, corpus, model, lm.validation_windows(corpus.val, args.context, args.val_windows)
 
 
-def print_table(task: str, records: list, rows: list, steps: int) -> None:
-  """One task's table: per row, steps to each target per seed and mean results."""
+def _steps_cell(values: list) -> str:
+  """Steps to a target per seed (``-``: not reached), then their mean over the seeds that
+  reached it and, when some did not, how many did: ``40/-/50 = 45.0 (2/3)``."""
+  cell = "/".join("-" if v is None else str(v) for v in values)
+  reached = [v for v in values if v is not None]
+  if len(values) > 1 and reached:
+    cell += f" = {np.mean(reached):.1f}"
+    if len(reached) < len(values):
+      cell += f" ({len(reached)}/{len(values)})"
+  return cell
+
+
+def mean_and_error(values: list) -> str:
+  """``mean +- standard error`` of ``values`` (the error from the sample standard deviation,
+  ``std / sqrt(n)``; the mean alone for one value, ``-`` for none)."""
+  if not values:
+    return "-"
+  if len(values) == 1:
+    return f"{values[0]:+.4g}"
+  error = np.std(values, ddof=1) / np.sqrt(len(values))
+  return f"{np.mean(values):+.4g} +- {error:.2g}"
+
+
+def paired_rows(task: str, records: list, compare: str) -> tuple[list, list]:
+  """The paired comparison of row ``compare`` with every other row on the seeds both ran.
+
+  Per target: the mean difference in steps (``compare`` minus the other row; negative:
+  ``compare`` is faster) with its standard error over the seeds where both reached the target,
+  then ``both/only compare/only other`` seed counts; and the mean difference in best result.
+  Differences within about two standard errors of zero are level on these seeds.
+
+  Returns:
+    ``(header, lines)`` for ``mnist.table_lines`` (no lines if ``compare`` did not run).
+  """
+  targets, lower = targets_of(task)
+  by_row: dict[str, dict[int, dict]] = {}
+  for r in records:
+    by_row.setdefault(r["row"], {})[r["seed"]] = r
+  header = (["against", "seeds"] + [f"d steps{'<=' if lower else '>='}{t:g}" for t in targets]
+            + [f"d best {'bpc' if lower else 'acc'}"])
+  mine = by_row.get(compare, {})
+  lines = []
+  for name, theirs in by_row.items():
+    seeds = sorted(set(mine) & set(theirs))
+    if name == compare or not seeds:
+      continue
+    cells = [name, str(len(seeds))]
+    for t in targets:
+      ours = [mine[s]["steps_to"][str(t)] for s in seeds]
+      other = [theirs[s]["steps_to"][str(t)] for s in seeds]
+      both = [a - b for a, b in zip(ours, other) if a is not None and b is not None]
+      only_ours = sum(a is not None and b is None for a, b in zip(ours, other))
+      only_theirs = sum(a is None and b is not None for a, b in zip(ours, other))
+      cells.append(f"{mean_and_error(both)} ({len(both)}/{only_ours}/{only_theirs})")
+    cells.append(mean_and_error([mine[s]["best"] - theirs[s]["best"] for s in seeds]))
+    lines.append(cells)
+  return header, lines
+
+
+def print_table(task: str, records: list, rows: list, steps: int,
+                compare: Optional[str] = "thor") -> None:
+  """One task's table: per row, steps to each target per seed and mean results; then the
+  paired comparison of row ``compare`` with the others (:func:`paired_rows`)."""
   targets, lower = targets_of(task)
   kind = "bpc" if lower else "acc"
   header = (["row"] + [f"steps{'<=' if lower else '>='}{t:g}" for t in targets]
@@ -314,12 +383,11 @@ def print_table(task: str, records: list, rows: list, steps: int) -> None:
   lines = []
   shown = []
   for row in rows:
-    mine = [r for r in records if r["row"] == row.name]
+    mine = sorted((r for r in records if r["row"] == row.name), key=lambda r: r["seed"])
     if not mine:
       continue
     shown.append(row)
-    per_target = ["/".join("-" if r["steps_to"][str(t)] is None else str(r["steps_to"][str(t)])
-                           for r in mine) for t in targets]
+    per_target = [_steps_cell([r["steps_to"][str(t)] for r in mine]) for t in targets]
     check_ms = [r["check_ms"] for r in mine if r["check_ms"] is not None]
     lines.append([row.name] + per_target + [
         f"{np.mean([r['best'] for r in mine]):.4f}",
@@ -328,17 +396,48 @@ def print_table(task: str, records: list, rows: list, steps: int) -> None:
         f"{np.mean([r['train_seconds'] for r in mine]):.1f}"])
   seeds = sorted({r["seed"] for r in records})
   batch = "8 x 128 characters" if lower else "128 digits"
-  print(f"\n== {task}: {steps} steps of {batch}, seeds {seeds} (steps per seed, "
-        f"evaluated every {records[0].get('eval_every', '?')} steps; {records[0]['metric']}) ==")
+  print(f"\n== {task}: {steps} steps of {batch}, seeds {seeds} (steps per seed = mean over the "
+        f"seeds that reached the target; evaluated every "
+        f"{records[0].get('eval_every', '?')} steps; {records[0]['metric']}) ==")
   print("\n".join(mnist.table_lines(header, lines, left=1)))
   for row in shown:
     print(f"  {row.name}: {row.what}")
+  if compare is not None:
+    header, lines = paired_rows(task, records, compare)
+    if lines:
+      print(f"\n{task}: {compare} against each row on the seeds both ran (mean difference "
+            f"+- standard error over the seeds where both reached the target; (both/only "
+            f"{compare}/only the other) seed counts; best: {compare}'s minus the other's)")
+      print("\n".join(mnist.table_lines(header, lines, left=1)))
+
+
+def load_records(paths: list) -> list:
+  """Records saved by ``--out``, merged: a later file's record of the same task, row and seed
+  replaces an earlier one.
+
+  Raises:
+    ValueError: a file does not hold a list of this script's records (the message names it).
+  """
+  merged: dict[tuple, dict] = {}
+  for path in paths:
+    with open(path) as f:
+      records = json.load(f)
+    if not isinstance(records, list) or not all(
+        isinstance(r, dict) and {"task", "row", "seed", "steps_to", "best"} <= set(r)
+        for r in records):
+      raise ValueError(f"benchmarks/ablation.py: {path} does not hold the records that "
+                       "--out writes (a JSON list of runs with task, row, seed, steps_to, "
+                       "best); pass files written by this script")
+    for r in records:
+      merged[(r["task"], r["row"], r["seed"])] = r
+  return list(merged.values())
 
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(MNIST_TASKS),
-                 help="(default: %(default)s; lm: the language model of lm.py)")
+  p.add_argument("--tasks", nargs="+", choices=TASKS, default=None,
+                 help="(default: mlp cnn, or every task with --records; lm: the language "
+                 "model of lm.py)")
   p.add_argument("--rows", nargs="+", choices=ROW_NAMES, default=list(ROW_NAMES),
                  help="(default: every row of each task)")
   p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -351,25 +450,47 @@ def main(argv=None) -> None:
   p.add_argument("--damping", type=float, default=None,
                  help="the second-order rows' damping (default: the task's tuned THOR damping)")
   p.add_argument("--out", default=None, help="write the records as JSON")
+  p.add_argument("--records", nargs="+", default=None, metavar="FILE",
+                 help="print the tables of records saved by --out (merged; several runs' "
+                 "seeds together) instead of training; --tasks and --rows still select")
+  p.add_argument("--compare", default="thor",
+                 help="the row compared with every other row, seed by seed (default: "
+                 "%(default)s; 'none' for no comparison)")
   options.add_lapack_threads_option(p)
   args = p.parse_args(argv)
   options.apply_lapack_threads(args)
+  compare = None if args.compare == "none" else args.compare
+  if args.tasks is None:
+    args.tasks = list(TASKS if args.records else MNIST_TASKS)
 
-  results = []
-  for task in args.tasks:
-    rows = [row for row in ROWS if row.name in args.rows and task in row.tasks]
-    steps = args.steps or steps_of(task)
-    eval_every = args.eval_every or eval_every_of(task)
-    records = []
-    for row in rows:
-      for seed in args.seeds:
-        record = run_row(row, task, seed, load_data(task), steps, eval_every,
-                         args.learning_rate, args.damping)
-        record["eval_every"] = eval_every
-        records.append(record)
-    if records:
-      print_table(task, records, rows, steps)
-    results.extend(records)
+  if args.records:
+    results = [r for r in load_records(args.records)
+               if r["task"] in args.tasks and r["row"] in args.rows]
+    for task in args.tasks:
+      records = [r for r in results if r["task"] == task]
+      if records:
+        steps = records[0].get("steps", steps_of(task))
+        settings = sorted({(r.get("steps"), r.get("eval_every")) for r in records}, key=str)
+        if len(settings) > 1:
+          print(f"\nnote: the {task} records mix (steps, eval_every) settings {settings}; "
+                "steps to a target are counted at each run's own evaluations")
+        print_table(task, records, [row for row in ROWS if task in row.tasks], steps, compare)
+  else:
+    results = []
+    for task in args.tasks:
+      rows = [row for row in ROWS if row.name in args.rows and task in row.tasks]
+      steps = args.steps or steps_of(task)
+      eval_every = args.eval_every or eval_every_of(task)
+      records = []
+      for row in rows:
+        for seed in args.seeds:
+          record = run_row(row, task, seed, load_data(task), steps, eval_every,
+                           args.learning_rate, args.damping)
+          record.update(eval_every=eval_every, steps=steps)
+          records.append(record)
+      if records:
+        print_table(task, records, rows, steps, compare)
+      results.extend(records)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(results, f, indent=1)
