@@ -325,15 +325,16 @@ def _steps_cell(values: list) -> str:
   return cell
 
 
-def mean_and_error(values: list) -> str:
-  """``mean +- standard error`` of ``values`` (the error from the sample standard deviation,
-  ``std / sqrt(n)``; the mean alone for one value, ``-`` for none)."""
+def mean_and_error(values: list, digits: int) -> str:
+  """``mean +- standard error`` of ``values`` with ``digits`` decimals (the error from the
+  sample standard deviation, ``std / sqrt(n)``; the mean alone for one value, ``-`` for
+  none)."""
   if not values:
     return "-"
   if len(values) == 1:
-    return f"{values[0]:+.4g}"
+    return f"{values[0]:+.{digits}f}"
   error = np.std(values, ddof=1) / np.sqrt(len(values))
-  return f"{np.mean(values):+.4g} +- {error:.2g}"
+  return f"{np.mean(values):+.{digits}f} +- {error:.{digits}f}"
 
 
 def paired_rows(task: str, records: list, compare: str) -> tuple[list, list]:
@@ -366,8 +367,8 @@ def paired_rows(task: str, records: list, compare: str) -> tuple[list, list]:
       both = [a - b for a, b in zip(ours, other) if a is not None and b is not None]
       only_ours = sum(a is not None and b is None for a, b in zip(ours, other))
       only_theirs = sum(a is None and b is not None for a, b in zip(ours, other))
-      cells.append(f"{mean_and_error(both)} ({len(both)}/{only_ours}/{only_theirs})")
-    cells.append(mean_and_error([mine[s]["best"] - theirs[s]["best"] for s in seeds]))
+      cells.append(f"{mean_and_error(both, 1)} ({len(both)}/{only_ours}/{only_theirs})")
+    cells.append(mean_and_error([mine[s]["best"] - theirs[s]["best"] for s in seeds], 4))
     lines.append(cells)
   return header, lines
 
