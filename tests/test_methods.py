@@ -1,6 +1,7 @@
 """The seed papers' options of one transform, against dense float64 references.
 
-* ``'eigh'`` (KAISA): the update is ``(A (x) G + lambda I)^-1 vec(dW)`` exactly, whole or split;
+* ``'eigh'`` (KAISA): the update is ``(A (x) G + lambda I)^-1 vec(dW)`` exactly, whole or split,
+  and ``(A (x) G + lambda I)^-p vec(dW)`` with ``inverse_power=p``;
 * ``'woodbury'`` / ``'auto'`` (SKFAC): the same update as Cholesky, with ``m x m`` solves where
   a factor has fewer rows than dimensions;
 * decoupled inverse period (KAISA) and SP-NGD's adaptive refresh: which blocks are refreshed
@@ -86,6 +87,43 @@ def test_eigh_damps_the_kronecker_product_exactly(wide, block_size):
   # A step without statistics reuses the eigendecompositions.
   again, _ = jax.jit(lambda g, s: tx.update(g, s, None))(grads, state)
   jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-12), again, updates)
+
+
+def _exact_power(A, G, grad, lam, power):
+  """``(A (x) G + lam I)^-power vec(dW)`` from a dense eigendecomposition."""
+  w, q = np.linalg.eigh(np.kron(A, G) + lam * np.eye(A.shape[0] * G.shape[0]))
+  return (q @ ((q.T @ grad.reshape(-1)) * w ** -power)).reshape(grad.shape)
+
+
+@pytest.mark.parametrize("block_size", [None, 4], ids=["whole", "split"])
+@pytest.mark.parametrize("power", [0.5, 0.25])
+def test_eigh_inverse_power_is_the_damped_kronecker_products_power(wide, block_size, power):
+  params, grads, stats = wide
+  tx = thor_optax.scale_by_kfac(LAM, ema_decay=None, block_size=block_size,
+                                inverse_method="eigh", inverse_power=power)
+  updates, _ = _check(tx, params, grads, stats)
+  for name in ("Dense_0", "Dense_1"):
+    A, G = reference_factors(stats.layers[name], "bias" in params[name])
+    if block_size:
+      A, G = block_part(A, block_size), block_part(G, block_size)
+    want = unstack(_exact_power(A, G, stacked(grads[name]), LAM, power), params[name])
+    inverse = unstack(_exact_damped(A, G, stacked(grads[name]), LAM), params[name])
+    assert np.abs(want["kernel"] - inverse["kernel"]).max() > 1e-2  # not the inverse
+    for leaf in want:
+      np.testing.assert_allclose(updates[name][leaf], want[leaf], rtol=RTOL, atol=1e-12)
+
+
+def test_thor_alias_passes_inverse_power_to_eigh(wide):
+  params, grads, stats = wide
+  kwargs = dict(block_size=4, inverse_method="eigh", max_kl=None, momentum=0.0,
+                skip_not_finite=False, min_relative_damping=0.0, ema_decay=None)
+  tx = thor_optax.thor(1.0, LAM, inverse_power=0.5, **kwargs)
+  root, _ = jax.jit(lambda g, s, p, c: tx.update(g, s, p, curvature_stats=c))(
+      grads, tx.init(params), params, stats)
+  A, G = reference_factors(stats.layers["Dense_1"], False)
+  A, G = block_part(A, 4), block_part(G, 4)
+  want = -_exact_power(A, G, stacked(grads["Dense_1"]), LAM, 0.5)
+  np.testing.assert_allclose(root["Dense_1"]["kernel"], want, rtol=RTOL, atol=1e-12)
 
 
 @pytest.mark.parametrize("method", ["woodbury", "auto"])
@@ -414,6 +452,9 @@ def test_conv_statistics_options_reach_the_factors():
     (dict(inverse_method="qr"), "inverse_method"),
     (dict(inverse_method="woodbury"), "woodbury"),  # with the default ema_decay
     (dict(inverse_method="eigh", pi_damping=True), "pi_damping"),
+    (dict(inverse_power=0.5), "needs inverse_method='eigh'"),  # with 'cholesky'
+    (dict(inverse_method="eigh", inverse_power=0.0), r"inverse_power must be a number in \(0, 1\]"),
+    (dict(inverse_method="eigh", inverse_power=1.5), "inverse_power must be"),
     (dict(inverse_period=0), "inverse_period"),
     (dict(adaptive_refresh=0.0), "adaptive_refresh"),
     (dict(conv_statistics="mean"), "mode"),

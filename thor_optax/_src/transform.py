@@ -435,6 +435,7 @@ def scale_by_thor(
     min_relative_damping: float = 0.0,
     refresh_buckets: int = 4,
     inverse_method: str = "cholesky",
+    inverse_power: float = 1.0,
     conv_statistics: str = "expand",
     spatial_samples: Optional[int] = None,
     subsample_key: Optional[jax.Array] = None,
@@ -530,6 +531,11 @@ def scale_by_thor(
       exact damping of ``A (x) G``; KAISA), ``'woodbury'`` (``m x m`` solve from the ``m`` rows
       behind a factor; SKFAC; needs current-batch factors) or ``'auto'`` (Woodbury for factors
       with fewer rows than block dimensions, Cholesky otherwise).
+    inverse_power: ``p`` in ``(A (x) G + lambda I)^-p vec(X)``, a number in ``(0, 1]``
+      (default 1: the natural gradient). Other values need ``inverse_method='eigh'``;
+      ``0.5`` is the square root of the preconditioner (Shampoo's and Adam's power). A
+      normalization layer's unit-wise Fisher blocks keep ``p = 1``. See
+      ``thor_optax/_src/inverses/eigh.py`` for the measurement behind it.
     conv_statistics: ``'expand'`` (all im2col patches; KFC), ``'reduce_sum'`` (patches and
       cotangents summed over positions per example) or ``'spatial_subsample'``
       (``spatial_samples`` positions per example); see ``thor_optax.layers.ConvSampling``.
@@ -617,7 +623,7 @@ def scale_by_thor(
   """
   return kronecker_preconditioner(Curvature(
       damping_schedule=damping, block_size=block_size,
-      method=inverses.make(inverse_method, woodbury_rows),
+      method=inverses.make(inverse_method, woodbury_rows, inverse_power),
       policy=trace_rule.TraceRule(*trace_thresholds, max_stale_checks),
       accumulator=_accumulator(ema_decay, inverse_period, None, ema_rows_ratio),
       damping=damping_lib.FactoredDamping(pi_damping, min_relative_damping, max_pi),
@@ -635,6 +641,7 @@ def scale_by_kfac(
     max_pi: Optional[float] = None,
     min_relative_damping: float = 0.0,
     inverse_method: str = "cholesky",
+    inverse_power: float = 1.0,
     conv_statistics: str = "expand",
     spatial_samples: Optional[int] = None,
     subsample_key: Optional[jax.Array] = None,
@@ -669,8 +676,8 @@ def scale_by_kfac(
     pi_damping: split the damping with the pi rule.
     max_pi: clip of ``pi``; see :func:`scale_by_thor`.
     min_relative_damping: floor on each block's damping; see :func:`scale_by_thor`.
-    inverse_method, conv_statistics, spatial_samples, subsample_key, inverse_period: see
-      :func:`scale_by_thor`.
+    inverse_method, inverse_power, conv_statistics, spatial_samples, subsample_key,
+      inverse_period: see :func:`scale_by_thor`.
     adaptive_refresh: SP-NGD's tolerance ``tol`` on the relative Frobenius change, or ``None``
       to refresh every block at every check step.
     max_refresh_interval: cap on a block's adaptive interval, in steps.
@@ -695,7 +702,7 @@ def scale_by_kfac(
     raise ValueError(f"max_refresh_interval must be >= 1, got {max_refresh_interval}")
   return kronecker_preconditioner(Curvature(
       damping_schedule=damping, block_size=block_size,
-      method=inverses.make(inverse_method, woodbury_rows),
+      method=inverses.make(inverse_method, woodbury_rows, inverse_power),
       policy=(every_check.EveryCheck() if adaptive_refresh is None
               else adaptive.Adaptive(adaptive_refresh, max_refresh_interval)),
       accumulator=_accumulator(ema_decay, inverse_period, adaptive_refresh),

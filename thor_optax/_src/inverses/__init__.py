@@ -34,15 +34,30 @@ def damps_factors_separately(name: str) -> bool:
   return "factored damping" in cls.provides
 
 
-def make(name: str, woodbury_rows: Optional[int] = None) -> base.InverseMethod:
-  """The inverse method ``name`` (``inverse_method=``), with ``woodbury_rows`` where it applies.
+def make(name: str, woodbury_rows: Optional[int] = None,
+         inverse_power: float = 1.0) -> base.InverseMethod:
+  """The inverse method ``name`` (``inverse_method=``), with ``woodbury_rows`` and
+  ``inverse_power`` where they apply.
 
   Raises:
     ValueError: on an unknown name, a ``woodbury_rows`` that is not a positive int, given to a
-      method that keeps no low-rank form, or missing for ``'low_rank'``.
+      method that keeps no low-rank form, or missing for ``'low_rank'``; an ``inverse_power``
+      that is not a number in ``(0, 1]``, or other than 1 for a method that stores inverses
+      (only ``'eigh'`` keeps the eigenvalues a power needs).
   """
   if name not in METHODS:
     raise ValueError(f"inverse_method must be one of {tuple(METHODS)}, got {name!r}")
+  if (not isinstance(inverse_power, (int, float, np.integer, np.floating))
+      or isinstance(inverse_power, bool) or not 0.0 < float(inverse_power) <= 1.0):
+    raise ValueError(f"inverse_power must be a number in (0, 1], got {inverse_power!r}; 1 is "
+                     "the natural gradient, 0.5 its square root.")
+  if float(inverse_power) != 1.0:
+    if name != "eigh":
+      raise ValueError(
+          f"inverse_power={inverse_power} needs inverse_method='eigh' (its eigenvalues can be "
+          f"raised to any power); inverse_method={name!r} stores damped inverses. Pass "
+          "inverse_method='eigh', or leave inverse_power at 1.")
+    return eigh.Eigh(float(inverse_power))
   cls, rows = METHODS[name]
   if woodbury_rows is not None and (not isinstance(woodbury_rows, (int, np.integer))
                                     or isinstance(woodbury_rows, bool) or woodbury_rows < 1):
