@@ -15,6 +15,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import scipy.linalg
 
@@ -111,6 +112,17 @@ def test_eigh_inverse_power_is_the_damped_kronecker_products_power(wide, block_s
     assert np.abs(want["kernel"] - inverse["kernel"]).max() > 1e-2  # not the inverse
     for leaf in want:
       np.testing.assert_allclose(updates[name][leaf], want[leaf], rtol=RTOL, atol=1e-12)
+
+
+def test_inverse_power_under_inject_hyperparams_must_be_static(wide):
+  params = wide[0]
+  with pytest.raises(ValueError, match="pass 'inverse_power' in static_args"):
+    optax.inject_hyperparams(thor_optax.kaisa, static_args=("ema_decay", "inverse_period"))(
+        learning_rate=0.1, inverse_power=0.5).init(params)
+  static = ("ema_decay", "inverse_period", "inverse_power")
+  state = optax.inject_hyperparams(thor_optax.kfac, static_args=static)(
+      learning_rate=0.1, inverse_method="eigh", inverse_power=0.5).init(params)
+  assert "inverse_power" not in state.hyperparams
 
 
 def test_thor_alias_passes_inverse_power_to_eigh(wide):
@@ -453,7 +465,7 @@ def test_conv_statistics_options_reach_the_factors():
     (dict(inverse_method="woodbury"), "woodbury"),  # with the default ema_decay
     (dict(inverse_method="eigh", pi_damping=True), "pi_damping"),
     (dict(inverse_power=0.5), "needs inverse_method='eigh'"),  # with 'cholesky'
-    (dict(inverse_method="eigh", inverse_power=0.0), r"inverse_power must be a number in \(0, 1\]"),
+    (dict(inverse_method="eigh", inverse_power=0.0), r"inverse_power must be None or a Python"),
     (dict(inverse_method="eigh", inverse_power=1.5), "inverse_power must be"),
     (dict(inverse_period=0), "inverse_period"),
     (dict(adaptive_refresh=0.0), "adaptive_refresh"),

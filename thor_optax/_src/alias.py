@@ -120,7 +120,7 @@ def thor(
     pi_damping: Optional[bool] = None,
     max_pi: Optional[float] = 5.0,
     inverse_method: str = "cholesky",
-    inverse_power: float = 1.0,
+    inverse_power: Optional[float] = None,
     block_sharding: Optional[Any] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     precondition_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
@@ -295,7 +295,7 @@ def kfac(
     pi_damping: bool = False,
     max_pi: Optional[float] = None,
     inverse_method: str = "cholesky",
-    inverse_power: float = 1.0,
+    inverse_power: Optional[float] = None,
     inverse_period: transform.Period = 1,
     block_sharding: Optional[Any] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
@@ -414,7 +414,7 @@ def kaisa(
     weight_decay_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     ema_decay: float = 0.95,
     inverse_period: transform.Period = 10,
-    inverse_power: float = 1.0,
+    inverse_power: Optional[float] = None,
     max_kl: Optional[float] = 0.001,
     max_update_ratio: Optional[float] = 0.1,
     block_size: Optional[int] = None,
@@ -439,7 +439,8 @@ def kaisa(
     debias_momentum: as :func:`thor`; default ``False``, the paper's momentum.
     ema_decay: running-average decay of the factors (kfac-pytorch ``factor_decay``: 0.95).
     inverse_period: steps between eigendecompositions (int or schedule).
-    inverse_power: ``p`` in ``(A (x) G + lambda I)^-p`` (default 1); see :func:`scale_by_thor`.
+    inverse_power: ``p`` in ``(A (x) G + lambda I)^-p`` (default ``None``: 1); see
+      :func:`scale_by_thor`.
     max_kl: KL-clip bound ``kappa``, or ``None`` for no clipping.
     max_update_ratio: clip each kernel's step to at most this share of the kernel's norm
       (:func:`clip_by_weight_ratio`), or ``None``. Default 0.1 (not in kfac-pytorch): the KL

@@ -435,7 +435,7 @@ def scale_by_thor(
     min_relative_damping: float = 0.0,
     refresh_buckets: int = 4,
     inverse_method: str = "cholesky",
-    inverse_power: float = 1.0,
+    inverse_power: Optional[float] = None,
     conv_statistics: str = "expand",
     spatial_samples: Optional[int] = None,
     subsample_key: Optional[jax.Array] = None,
@@ -531,11 +531,12 @@ def scale_by_thor(
       exact damping of ``A (x) G``; KAISA), ``'woodbury'`` (``m x m`` solve from the ``m`` rows
       behind a factor; SKFAC; needs current-batch factors) or ``'auto'`` (Woodbury for factors
       with fewer rows than block dimensions, Cholesky otherwise).
-    inverse_power: ``p`` in ``(A (x) G + lambda I)^-p vec(X)``, a number in ``(0, 1]``
-      (default 1: the natural gradient). Other values need ``inverse_method='eigh'``;
-      ``0.5`` is the square root of the preconditioner (Shampoo's and Adam's power). A
-      normalization layer's unit-wise Fisher blocks keep ``p = 1``. See
-      ``thor_optax/_src/inverses/eigh.py`` for the measurement behind it.
+    inverse_power: ``p`` in ``(A (x) G + lambda I)^-p vec(X)``: ``None`` (default) for the
+      natural gradient (``p = 1``), or a Python number in ``(0, 1]``. Values other than 1 need
+      ``inverse_method='eigh'``; ``0.5`` is the square root of the preconditioner (Shampoo's
+      and Adam's power). A normalization layer's unit-wise Fisher blocks keep ``p = 1``. It is
+      fixed when the transform is built: with ``optax.inject_hyperparams`` pass it in
+      ``static_args``. See ``thor_optax/_src/inverses/eigh.py`` for the measurement behind it.
     conv_statistics: ``'expand'`` (all im2col patches; KFC), ``'reduce_sum'`` (patches and
       cotangents summed over positions per example) or ``'spatial_subsample'``
       (``spatial_samples`` positions per example); see ``thor_optax.layers.ConvSampling``.
@@ -641,7 +642,7 @@ def scale_by_kfac(
     max_pi: Optional[float] = None,
     min_relative_damping: float = 0.0,
     inverse_method: str = "cholesky",
-    inverse_power: float = 1.0,
+    inverse_power: Optional[float] = None,
     conv_statistics: str = "expand",
     spatial_samples: Optional[int] = None,
     subsample_key: Optional[jax.Array] = None,

@@ -35,30 +35,34 @@ def damps_factors_separately(name: str) -> bool:
 
 
 def make(name: str, woodbury_rows: Optional[int] = None,
-         inverse_power: float = 1.0) -> base.InverseMethod:
+         inverse_power: Optional[float] = None) -> base.InverseMethod:
   """The inverse method ``name`` (``inverse_method=``), with ``woodbury_rows`` and
   ``inverse_power`` where they apply.
 
   Raises:
     ValueError: on an unknown name, a ``woodbury_rows`` that is not a positive int, given to a
       method that keeps no low-rank form, or missing for ``'low_rank'``; an ``inverse_power``
-      that is not a number in ``(0, 1]``, or other than 1 for a method that stores inverses
+      that is not ``None`` or a Python number in ``(0, 1]`` (a traced value from
+      ``optax.inject_hyperparams`` included), or other than 1 for a method that stores inverses
       (only ``'eigh'`` keeps the eigenvalues a power needs).
   """
   if name not in METHODS:
     raise ValueError(f"inverse_method must be one of {tuple(METHODS)}, got {name!r}")
+  if inverse_power is None:
+    inverse_power = 1.0
   if (not isinstance(inverse_power, (int, float, np.integer, np.floating))
       or isinstance(inverse_power, bool) or not 0.0 < float(inverse_power) <= 1.0):
-    raise ValueError(f"inverse_power must be a number in (0, 1], got {inverse_power!r}; 1 is "
-                     "the natural gradient, 0.5 its square root.")
-  if float(inverse_power) != 1.0:
-    if name != "eigh":
-      raise ValueError(
-          f"inverse_power={inverse_power} needs inverse_method='eigh' (its eigenvalues can be "
-          f"raised to any power); inverse_method={name!r} stores damped inverses. Pass "
-          "inverse_method='eigh', or leave inverse_power at 1.")
-    return eigh.Eigh(float(inverse_power))
+    raise ValueError(
+        f"inverse_power must be None or a Python number in (0, 1], got {inverse_power!r}; 1 "
+        "(None) is the natural gradient, 0.5 its square root. It decides the preconditioner "
+        "when the transform is built, so it cannot be traced: with optax.inject_hyperparams "
+        "pass 'inverse_power' in static_args.")
   cls, rows = METHODS[name]
+  if float(inverse_power) != 1.0 and not cls.takes_inverse_power:
+    raise ValueError(
+        f"inverse_power={inverse_power} needs inverse_method='eigh' (its eigenvalues can be "
+        f"raised to any power); inverse_method={name!r} stores damped inverses. Pass "
+        "inverse_method='eigh', or leave inverse_power at 1.")
   if woodbury_rows is not None and (not isinstance(woodbury_rows, (int, np.integer))
                                     or isinstance(woodbury_rows, bool) or woodbury_rows < 1):
     raise ValueError(f"woodbury_rows must be a positive Python int or None, got "
@@ -70,6 +74,8 @@ def make(name: str, woodbury_rows: Optional[int] = None,
   if woodbury_rows is None and rows == "required":
     raise ValueError(f"inverse_method={name!r} needs woodbury_rows=m, the rows a factor may "
                      "have.")
+  if cls.takes_inverse_power:
+    return cls(float(inverse_power))
   if rows == "no":
     return cls()
   return cls(None if woodbury_rows is None else int(woodbury_rows))

@@ -83,10 +83,13 @@ class InverseMethod:
       ``'b{b}r{m}'``), 0 for ``b x b`` blocks.
     waits_for_all_blocks: whether a layer is preconditioned only once every block of its
       factors has been refreshed (``precondition`` then gets ``ready``; else ``True``).
+    takes_inverse_power: whether the constructor takes ``inverse_power`` (the power ``p`` of
+      ``(A (x) G + lambda I)^-p``; methods that store damped inverses apply ``p = 1`` only).
   """
 
   name: str = ""
   waits_for_all_blocks: bool = False
+  takes_inverse_power: bool = False
   requires: frozenset[str] = frozenset({"covariance"})
   provides: frozenset[str] = frozenset({"factored damping"})
   rank: int = 0

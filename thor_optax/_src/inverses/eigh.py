@@ -78,6 +78,7 @@ class Eigh(base.InverseMethod):
   name = "eigh"
   provides = frozenset()
   waits_for_all_blocks = True
+  takes_inverse_power = True
 
   def __init__(self, inverse_power: float = 1.0):
     self.inverse_power = inverse_power
