@@ -53,9 +53,9 @@ it, and the mean difference in best result. Three seeds rarely settle a comparis
 seeds 0-5 put Muon ahead of ``thor`` to 95% and seeds 6-11 put it behind), so runs save their
 records (``--out``) and ``--records`` prints the tables of several runs' records together.
 
-Run (MNIST: 2 tasks x 22 rows x 3 seeds, about 45 minutes on a 2-core CPU shared with other
-jobs; the language model: 20 s to 2 minutes a row and seed, the rows checking at every step
-the slowest; 12 rows x 3 seeds took 36 minutes beside the test suite)::
+Run (MNIST: 26 rows on the MLP and 24 on the CNN x 3 seeds, about an hour on a 2-core CPU
+shared with other jobs; the language model: 20 s to 2 minutes a row and seed, the rows checking
+at every step the slowest; 12 rows x 3 seeds took 36 minutes beside the test suite)::
 
   python3 benchmarks/ablation.py
   python3 benchmarks/ablation.py --tasks cnn --rows kfac thor --seeds 0 1 2 3 4
