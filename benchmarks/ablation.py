@@ -21,6 +21,15 @@ equally, ``sqrt(lambda)`` per factor. This script trains, with:
 * ``thor-sp`` (MLP only): ``thor`` with whole factors and SP-NGD's weight rescaling chained
   after it, at SP-NGD's tuned rate and damping: over seeds 0-5 it reached 92% in 55 steps
   (mean) with best accuracy 0.939, Adam's 0.940 (benchmarks/README.md, the ablation's goals item);
+* *first steps* (MNIST): ``thor-warm``, ``thor`` at a warm start of its rate
+  (:func:`warm_start`: 3 times it at step 0, down to it by step 32), which makes up for the
+  first steps of momentum SGD, a fifth of their steady size and growing over tens of steps,
+  where Adam and Muon correct their momenta's bias; ``thor-debias-kl``, the bias correction
+  itself folded into the rate (:func:`bias_corrected`) so that the KL clip bounds it;
+  ``thor-debias-ratio``, ``debias_momentum=True`` with ``max_update_ratio=0.3``;
+  ``thor-root-debias`` (MLP only), ``thor-root`` with the folded correction; and
+  ``muon-warm`` (MLP only), Muon at the same warm start, so that the warm start's gain can
+  be told from THOR's;
 * the first-order optimizers of each benchmark at their tuned rates, for the goals (THOR's
   steps at most kfac's and Muon's; its best result within 0.2 points of the best first-order
   optimizer's): SGD-momentum, Adam and Muon on MNIST, AdamW and Muon on the language model,
@@ -53,7 +62,7 @@ it, and the mean difference in best result. Three seeds rarely settle a comparis
 seeds 0-5 put Muon ahead of ``thor`` to 95% and seeds 6-11 put it behind), so runs save their
 records (``--out``) and ``--records`` prints the tables of several runs' records together.
 
-Run (MNIST: 26 rows on the MLP and 24 on the CNN x 3 seeds, about an hour on a 2-core CPU
+Run (MNIST: 31 rows on the MLP and 27 on the CNN x 3 seeds, over an hour on a 2-core CPU
 shared with other jobs; the language model: 20 s to 2 minutes a row and seed, the rows checking
 at every step the slowest; 12 rows x 3 seeds took 36 minutes beside the test suite)::
 
@@ -100,8 +109,10 @@ class Row:
   Attributes:
     name: the row's label.
     make: ``make(learning_rate, damping, **extra) -> optax transform`` (second-order; ``extra``
-      is ``precondition_mask`` on the language model), or ``None`` for a first-order optimizer
-      of ``mnist.py`` / ``lm.py`` (``name`` is then its name there).
+      is ``precondition_mask`` on the language model), ``make(rates) -> optax transform`` for
+      a first-order row built here (``rates``: ``mnist.DEFAULT_LEARNING_RATE`` of the task;
+      MNIST only), or ``None`` for a first-order optimizer of ``mnist.py`` / ``lm.py``
+      (``name`` is then its name there).
     checks: check schedule (``mnist.DEFAULT_CHECKS`` format, or :data:`GROWING` for the task's
       growing interval), ``None`` for first-order.
     what: the choice the row changes, for the table's legend.
@@ -141,6 +152,35 @@ def _thor_root(rate_factor: float):
   12 seeds at 4 times it; benchmarks/README.md, "Long training")."""
   return lambda lr, damping, **extra: thor_optax.thor(
       rate_factor * lr, damping, inverse_method="eigh", inverse_power=0.5, **extra)
+
+
+def warm_start(rate: float) -> optax.Schedule:
+  """The rate ``rate * max(3 * 2^(-t / 20), 1)`` at step ``t``: 3 times ``rate`` at step 0,
+  halving every 20 steps down to ``rate`` from step 32 on (``optax.exponential_decay``).
+
+  An ``optax.sgd`` trace starts at ``1 - momentum^2`` of its steady size (Nesterov, momentum
+  0.9: 0.19) and needs tens of steps to grow, where Adam's and Muon's bias-corrected momenta
+  step at full size from the first update; the warm start makes up for it over about as many
+  steps."""
+  return optax.exponential_decay(3.0 * rate, 20, 0.5, end_value=rate)
+
+
+def bias_corrected(rate: float, momentum: float = 0.9) -> optax.Schedule:
+  """The rate ``rate / (1 - momentum^(t + 2))`` at step ``t``: Nesterov momentum's bias
+  correction (``thor(..., debias_momentum=True)``) folded into the rate, so that the KL clip,
+  which reads the rate, bounds the corrected step."""
+  return lambda step: rate / (1.0 - momentum ** (step + 2))
+
+
+def _thor_warm(schedule: Callable[[float], optax.Schedule], **kw):
+  return lambda lr, damping, **extra: thor_optax.thor(schedule(lr), damping, **kw, **extra)
+
+
+def _muon_warm(rates: dict) -> optax.GradientTransformation:
+  """``mnist.py``'s Muon with :func:`warm_start` on its rate and on its Adam part's."""
+  return optax.contrib.muon(warm_start(rates["muon"]),
+                            adam_learning_rate=warm_start(rates["adam"]),
+                            muon_weight_dimension_numbers=mnist.muon_dimension_numbers)
 
 
 # thor's damping and KL clip before the pi default: sqrt(lambda) to each factor (THOR's
@@ -194,6 +234,19 @@ ROWS = (
     Row("thor-root", _thor_root(4.0), GROWING, "thor-eigh preconditioning with the square root "
         "(A (x) G + lambda I)^-1/2 (inverse_power=0.5) at 4 times the rate (MLP only: on the "
         "CNN it costs steps)", ("mlp",)),
+    Row("thor-warm", _thor_warm(warm_start), GROWING, "thor with a warm start of the rate: "
+        "3 times it at step 0, halving every 20 steps down to it (warm_start; the KL clip "
+        "reads it)", MNIST_TASKS),
+    Row("thor-debias-kl", _thor_warm(bias_corrected), GROWING, "thor with the momentum's bias "
+        "correction folded into the rate (bias_corrected), so that the KL clip bounds the "
+        "corrected step", MNIST_TASKS),
+    Row("thor-debias-ratio", _thor(debias_momentum=True, max_update_ratio=0.3), GROWING,
+        "thor-debias with each kernel's step at most 0.3 times its norm (max_update_ratio)",
+        MNIST_TASKS),
+    Row("thor-root-debias", _thor_warm(lambda lr: bias_corrected(4.0 * lr),
+                                       inverse_method="eigh", inverse_power=0.5), GROWING,
+        "thor-root with the bias correction folded into the rate, as thor-debias-kl (MLP only)",
+        ("mlp",)),
     Row("thor-sp", _thor_sp("mlp"), GROWING, "thor with whole factors and SP-NGD's weight "
         "rescaling (thor_optax.rescale_weight_norms chained after it) at SP-NGD's tuned rate "
         "and damping (0.03, 0.01; --learning-rate / --damping do not apply)", ("mlp",)),
@@ -203,6 +256,8 @@ ROWS = (
     Row("adamw", None, None, "optax.adamw (weight decay 1e-4), lm.py's schedule", ("lm",)),
     Row("muon", None, None, "optax.contrib.muon (Adam for the output layer, embeddings, biases "
         "and norms)"),
+    Row("muon-warm", _muon_warm, None, "muon with warm_start on its rate and its Adam part's, "
+        "the shape thor-warm gives THOR", ("mlp",)),
 )
 ROW_NAMES = tuple(row.name for row in ROWS)
 
@@ -287,6 +342,9 @@ def _run_mnist(row, task, seed, data, steps, eval_every, learning_rate, damping)
     cfg = mnist.Config(row.name, rates[row.name],
                        adam_learning_rate=rates["adam"] if row.name == "muon" else None)
     optimizer = None
+  elif row.checks is None:  # a first-order optimizer built by the row from the tuned rates
+    cfg = mnist.Config(row.name, rates[row.name.split("-")[0]])
+    optimizer = (row.make(rates), None)
   else:
     lr = rates["thor"] if learning_rate is None else learning_rate
     damping = mnist.DEFAULT_DAMPING[task]["thor"] if damping is None else damping
