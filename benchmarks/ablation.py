@@ -21,10 +21,10 @@ equally, ``sqrt(lambda)`` per factor. This script trains, with:
 * ``thor-sp`` (MLP only): ``thor`` with whole factors and SP-NGD's weight rescaling chained
   after it, at SP-NGD's tuned rate and damping: over seeds 0-5 it reached 92% in 55 steps
   (mean) with best accuracy 0.939, Adam's 0.940 (benchmarks/README.md, the ablation's goals item);
-* *first steps* (MNIST): ``thor-warm``, ``thor`` at a warm start of its rate
-  (:func:`warm_start`: 3 times it at step 0, down to it by step 32), which makes up for the
-  first steps of momentum SGD, a fifth of their steady size and growing over tens of steps,
-  where Adam and Muon correct their momenta's bias; ``thor-debias-kl``, the bias correction
+* *first steps* (MNIST, and ``thor-warm`` on the language model): ``thor-warm``, ``thor`` at
+  a warm start of its rate (:func:`warm_start`: 3 times it at step 0, down to it by step 32),
+  which makes up for the first steps of momentum SGD, a fifth of their steady size and
+  growing over tens of steps, where Adam and Muon correct their momenta's bias; ``thor-debias-kl``, the bias correction
   itself folded into the rate (:func:`bias_corrected`) so that the KL clip bounds it;
   ``thor-debias-ratio``, ``debias_momentum=True`` with ``max_update_ratio=0.3``;
   ``thor-root-debias`` (MLP only), ``thor-root`` with the folded correction; and
@@ -154,14 +154,19 @@ def _thor_root(rate_factor: float):
       rate_factor * lr, damping, inverse_method="eigh", inverse_power=0.5, **extra)
 
 
-def warm_start(rate: float) -> optax.Schedule:
+def warm_start(rate: Any) -> optax.Schedule:
   """The rate ``rate * max(3 * 2^(-t / 20), 1)`` at step ``t``: 3 times ``rate`` at step 0,
   halving every 20 steps down to ``rate`` from step 32 on (``optax.exponential_decay``).
+  ``rate`` is a float or a schedule (the language model's warm-up and cosine decay), which
+  the factor then multiplies.
 
   An ``optax.sgd`` trace starts at ``1 - momentum^2`` of its steady size (Nesterov, momentum
   0.9: 0.19) and needs tens of steps to grow, where Adam's and Muon's bias-corrected momenta
   step at full size from the first update; the warm start makes up for it over about as many
   steps."""
+  if callable(rate):
+    factor = optax.exponential_decay(3.0, 20, 0.5, end_value=1.0)
+    return lambda step: rate(step) * factor(step)
   return optax.exponential_decay(3.0 * rate, 20, 0.5, end_value=rate)
 
 
@@ -236,7 +241,7 @@ ROWS = (
         "CNN it costs steps)", ("mlp",)),
     Row("thor-warm", _thor_warm(warm_start), GROWING, "thor with a warm start of the rate: "
         "3 times it at step 0, halving every 20 steps down to it (warm_start; the KL clip "
-        "reads it)", MNIST_TASKS),
+        "reads it; lm: on its warm-up and cosine schedule)"),
     Row("thor-debias-kl", _thor_warm(bias_corrected), GROWING, "thor with the momentum's bias "
         "correction folded into the rate (bias_corrected), so that the KL clip bounds the "
         "corrected step", MNIST_TASKS),
