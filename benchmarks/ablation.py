@@ -287,17 +287,34 @@ def checks_of(row: Row, task: str) -> Any:
   return GROWING_INTERVAL[task] if row.checks == GROWING else row.checks
 
 
+def steps_to_target(curve: list, target: float, lower: bool, hold: int = 1) -> Optional[int]:
+  """The step of the first evaluation at which ``target`` is reached and stays reached for
+  ``hold`` evaluations in a row (that one and the ``hold - 1`` after it), or ``None``.
+
+  Args:
+    curve: ``[(step, value), ...]`` in the order evaluated.
+    target: the value to reach: at most it when ``lower``, at least it otherwise.
+    lower: whether lower values are better (bits per character).
+    hold: evaluations in a row (>= 1; 1 counts the first evaluation that reaches it, which an
+      optimizer whose accuracy touches the target and falls back gets credited with).
+  """
+  reached = [v <= target if lower else v >= target for _, v in curve]
+  return next((curve[i][0] for i in range(len(curve) - hold + 1) if all(reached[i:i + hold])),
+              None)
+
+
 def _record(row: Row, task: str, seed: int, history: Any, start: float) -> dict:
-  """The JSON-ready record of one run: steps to each target, best and final result, times."""
+  """The JSON-ready record of one run: steps to each target, best and final result, times,
+  and the evaluations (``curve``: ``[step, value]`` pairs) for :func:`held_records`."""
   targets, lower = targets_of(task)
-  reached = (lambda v, t: v <= t) if lower else (lambda v, t: v >= t)
-  values = [v for _, _, v in history.curve]
+  curve = [[s, v] for s, _, v in history.curve]
+  values = [v for _, v in curve]
   check_ms = [ms for ms, c in zip(history.step_ms, history.is_check) if c]
   return {
       "task": task, "row": row.name, "seed": seed,
       "metric": "validation bits per character" if lower else "test accuracy",
-      "steps_to": {str(t): next((s for s, _, v in history.curve if reached(v, t)), None)
-                   for t in targets},
+      "steps_to": {str(t): steps_to_target(curve, t, lower) for t in targets},
+      "curve": curve,
       "best": min(values) if lower else max(values),
       "final": values[-1],
       "num_checks": len(check_ms),
@@ -459,9 +476,11 @@ def paired_rows(task: str, records: list, compare: str) -> tuple[list, list]:
 
 
 def print_table(task: str, records: list, rows: list, steps: int,
-                compare: Optional[str] = "thor") -> None:
+                compare: Optional[str] = "thor", hold: int = 1) -> None:
   """One task's table: per row, steps to each target per seed and mean results; then the
-  paired comparison of row ``compare`` with the others (:func:`paired_rows`)."""
+  paired comparison of row ``compare`` with the others (:func:`paired_rows`). ``hold``: the
+  evaluations in a row the records' ``steps_to`` were counted at (:func:`held_records`), for
+  the title."""
   targets, lower = targets_of(task)
   kind = "bpc" if lower else "acc"
   header = (["row"] + [f"steps{'<=' if lower else '>='}{t:g}" for t in targets]
@@ -482,8 +501,9 @@ def print_table(task: str, records: list, rows: list, steps: int,
         f"{np.mean([r['train_seconds'] for r in mine]):.1f}"])
   seeds = sorted({r["seed"] for r in records})
   batch = "8 x 128 characters" if lower else "128 digits"
+  held = f", held for {hold} evaluations in a row" if hold > 1 else ""
   print(f"\n== {task}: {steps} steps of {batch}, seeds {seeds} (steps per seed = mean over the "
-        f"seeds that reached the target; evaluated every "
+        f"seeds that reached the target{held}; evaluated every "
         f"{records[0].get('eval_every', '?')} steps; {records[0]['metric']}) ==")
   print("\n".join(mnist.table_lines(header, lines, left=1)))
   for row in shown:
@@ -495,6 +515,30 @@ def print_table(task: str, records: list, rows: list, steps: int,
             f"+- standard error over the seeds where both reached the target; (both/only "
             f"{compare}/only the other) seed counts; best: {compare}'s minus the other's)")
       print("\n".join(mnist.table_lines(header, lines, left=1)))
+
+
+def held_records(records: list, hold: int) -> list:
+  """``records`` with each ``steps_to`` counted from its ``curve`` by :func:`steps_to_target`
+  at ``hold`` evaluations in a row (``hold=1``: the records unchanged).
+
+  Raises:
+    ValueError: ``hold < 1``, or ``hold > 1`` and a record has no ``curve`` (records written
+      before it was saved; the message names the row and seed).
+  """
+  if hold < 1:
+    raise ValueError(f"benchmarks/ablation.py: --hold must be at least 1, got {hold}")
+  if hold == 1:
+    return records
+  out = []
+  for r in records:
+    if "curve" not in r:
+      raise ValueError(f"benchmarks/ablation.py: the record of {r['task']} {r['row']} seed "
+                       f"{r['seed']} has no curve to count --hold {hold} from; rerun the row "
+                       "with this version (or leave --hold at 1)")
+    lower = targets_of(r["task"])[1]
+    out.append({**r, "steps_to": {t: steps_to_target(r["curve"], float(t), lower, hold)
+                                  for t in r["steps_to"]}})
+  return out
 
 
 def load_records(paths: list) -> list:
@@ -539,6 +583,10 @@ def main(argv=None) -> None:
   p.add_argument("--records", nargs="+", default=None, metavar="FILE",
                  help="print the tables of records saved by --out (merged; several runs' "
                  "seeds together) instead of training; --tasks and --rows still select")
+  p.add_argument("--hold", type=int, default=1,
+                 help="count a target as reached at the first evaluation from which it holds "
+                 "for this many evaluations in a row (default: %(default)s, the first "
+                 "evaluation that reaches it)")
   p.add_argument("--compare", default="thor",
                  help="the row compared with every other row, seed by seed (default: "
                  "%(default)s; 'none' for no comparison)")
@@ -550,8 +598,8 @@ def main(argv=None) -> None:
     args.tasks = list(TASKS if args.records else MNIST_TASKS)
 
   if args.records:
-    results = [r for r in load_records(args.records)
-               if r["task"] in args.tasks and r["row"] in args.rows]
+    results = held_records([r for r in load_records(args.records)
+                            if r["task"] in args.tasks and r["row"] in args.rows], args.hold)
     for task in args.tasks:
       records = [r for r in results if r["task"] == task]
       if records:
@@ -560,7 +608,8 @@ def main(argv=None) -> None:
         if len(settings) > 1:
           print(f"\nnote: the {task} records mix (steps, eval_every) settings {settings}; "
                 "steps to a target are counted at each run's own evaluations")
-        print_table(task, records, [row for row in ROWS if task in row.tasks], steps, compare)
+        print_table(task, records, [row for row in ROWS if task in row.tasks], steps, compare,
+                    args.hold)
   else:
     results = []
     for task in args.tasks:
@@ -575,7 +624,7 @@ def main(argv=None) -> None:
           record.update(eval_every=eval_every, steps=steps)
           records.append(record)
       if records:
-        print_table(task, records, rows, steps, compare)
+        print_table(task, held_records(records, args.hold), rows, steps, compare, args.hold)
       results.extend(records)
   if args.out:
     with open(args.out, "w") as f:
