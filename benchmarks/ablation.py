@@ -596,6 +596,8 @@ def main(argv=None) -> None:
                  "%(default)s; 'none' for no comparison)")
   options.add_lapack_threads_option(p)
   args = p.parse_args(argv)
+  if args.hold < 1:
+    p.error(f"--hold must be at least 1, got {args.hold}")
   options.apply_lapack_threads(args)
   compare = None if args.compare == "none" else args.compare
   if args.tasks is None:
