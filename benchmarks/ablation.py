@@ -181,7 +181,8 @@ def bias_corrected(rate: float, momentum: float = 0.9) -> optax.Schedule:
   return lambda step: rate / (1.0 - momentum ** (step + 2))
 
 
-def _thor_warm(schedule: Callable[[float], optax.Schedule], **kw):
+def _thor_scheduled(schedule: Callable[[Any], optax.Schedule], **kw):
+  """thor at ``schedule(rate)`` (:func:`warm_start`, :func:`bias_corrected`) for the row's rate."""
   return lambda lr, damping, **extra: thor_optax.thor(schedule(lr), damping, **kw, **extra)
 
 
@@ -243,16 +244,16 @@ ROWS = (
     Row("thor-root", _thor_root(4.0), GROWING, "thor-eigh preconditioning with the square root "
         "(A (x) G + lambda I)^-1/2 (inverse_power=0.5) at 4 times the rate (MLP only: on the "
         "CNN it costs steps)", ("mlp",)),
-    Row("thor-warm", _thor_warm(warm_start), GROWING, "thor with a warm start of the rate: "
+    Row("thor-warm", _thor_scheduled(warm_start), GROWING, "thor with a warm start of the rate: "
         "3 times it at step 0, halving every 20 steps down to it (warm_start; the KL clip "
         "reads it; lm: on its warm-up and cosine schedule)"),
-    Row("thor-debias-kl", _thor_warm(bias_corrected), GROWING, "thor with the momentum's bias "
+    Row("thor-debias-kl", _thor_scheduled(bias_corrected), GROWING, "thor with the momentum's bias "
         "correction folded into the rate (bias_corrected), so that the KL clip bounds the "
         "corrected step", MNIST_TASKS),
     Row("thor-debias-ratio", _thor(debias_momentum=True, max_update_ratio=0.3), GROWING,
         "thor-debias with each kernel's step at most 0.3 times its norm (max_update_ratio)",
         MNIST_TASKS),
-    Row("thor-root-debias", _thor_warm(lambda lr: bias_corrected(4.0 * lr),
+    Row("thor-root-debias", _thor_scheduled(lambda lr: bias_corrected(4.0 * lr),
                                        inverse_method="eigh", inverse_power=0.5), GROWING,
         "thor-root with the bias correction folded into the rate, as thor-debias-kl (MLP only)",
         ("mlp",)),
