@@ -254,7 +254,7 @@ ROWS = (
         "thor-debias with each kernel's step at most 0.3 times its norm (max_update_ratio)",
         MNIST_TASKS),
     Row("thor-root-debias", _thor_scheduled(lambda lr: bias_corrected(4.0 * lr),
-                                       inverse_method="eigh", inverse_power=0.5), GROWING,
+                                            inverse_method="eigh", inverse_power=0.5), GROWING,
         "thor-root with the bias correction folded into the rate, as thor-debias-kl (MLP only)",
         ("mlp",)),
     Row("thor-sp", _thor_sp("mlp"), GROWING, "thor with whole factors and SP-NGD's weight "
