@@ -24,8 +24,9 @@ equally, ``sqrt(lambda)`` per factor. This script trains, with:
 * *first steps* (MNIST, and ``thor-warm`` on the language model): ``thor-warm``, ``thor`` at
   a warm start of its rate (:func:`warm_start`: 3 times it at step 0, down to it by step 32),
   which makes up for the first steps of momentum SGD, a fifth of their steady size and
-  growing over tens of steps, where Adam and Muon correct their momenta's bias; ``thor-debias-kl``, the bias correction
-  itself folded into the rate (:func:`bias_corrected`) so that the KL clip bounds it;
+  growing over tens of steps, where Adam and Muon correct their momenta's bias;
+  ``thor-debias-kl``, the bias correction itself folded into the rate
+  (:func:`bias_corrected`) so that the KL clip bounds it;
   ``thor-debias-ratio``, ``debias_momentum=True`` with ``max_update_ratio=0.3``;
   ``thor-root-debias`` (MLP only), ``thor-root`` with the folded correction; and
   ``muon-warm`` (MLP only), Muon at the same warm start, so that the warm start's gain can
