@@ -152,9 +152,10 @@ def _thor_root(rate_factor: float):
   ``(A (x) G + lambda I)^-1/2`` at ``rate_factor`` times the row's learning rate (the damped
   eigenvalues are mostly below 1 at ``lambda = 0.03``, where ``e^-1/2 < e^-1``: the square root
   shortens the steps, least along the largest curvature, so at the MLP's tuned rate it trained
-  slower; 4x was the best of 1, 2, 4, 8 and 16 on seed 0 over 2,200 steps). On the CNN it costs steps at any of the rates tried (seeds 0-2,
-  evaluated every 5 steps: 95% in 68 steps at THOR's own rate against ``thor``'s 42, in 84 over
-  12 seeds at 4 times it; benchmarks/README.md, "Long training")."""
+  slower; 4x was the best of 1, 2, 4, 8 and 16 on seed 0 over 2,200 steps). On the CNN it
+  costs steps at any of the rates tried (seeds 0-2, evaluated every 5 steps: 95% in 68 steps at
+  THOR's own rate against ``thor``'s 42, in 84 over 12 seeds at 4 times it; benchmarks/README.md,
+  "Long training"), with the momentum's bias correction too ("First steps")."""
   return lambda lr, damping, **extra: thor_optax.thor(
       rate_factor * lr, damping, inverse_method="eigh", inverse_power=0.5, **extra)
 
