@@ -9,6 +9,7 @@ import thor_optax
 import reference
 from reference import inverse_blocks, stack_field
 from thor_optax._src import blocks
+from thor_optax._src import check_step
 from thor_optax._src import linalg
 from thor_optax._src.refresh import trace_rule as trace
 
@@ -101,8 +102,15 @@ def test_frozen_blocks_never_refresh_again():
     np.testing.assert_array_equal(inverse_blocks(states[0])[g_], inverse_blocks(states[-1])[g_])
 
 
-def test_known_trace_jump_refreshes_exactly_the_blocks_that_jumped():
-  tx = thor_optax.scale_by_thor(0.1, block_size=B, trace_thresholds=(0.01, 0.0))
+@pytest.mark.parametrize("refresh_buckets", [None, 1, 2, 4])
+def test_known_trace_jump_refreshes_exactly_the_blocks_that_jumped(refresh_buckets, monkeypatch):
+  options = {}
+  if refresh_buckets is not None:
+    # Every factor's covariance in budgets, as a costly factor's (None: these small factors
+    # multiplied out whole): one of A's 3 blocks is due, formed in a budget of 3, 2 or 1.
+    monkeypatch.setattr(check_step, "_WHOLE_COVARIANCE_FLOPS", 0)
+    options["refresh_buckets"] = refresh_buckets
+  tx = thor_optax.scale_by_thor(0.1, block_size=B, trace_thresholds=(0.01, 0.0), **options)
   a, g = _data(0)
   a2 = a.at[:, 4:8].multiply(3.0)   # A's block 1 jumps (trace x9), blocks 0 and 2 unchanged
   g2 = g.at[:, 0:4].multiply(0.5)   # G's block 0 drops (trace x0.25), block 1 unchanged
@@ -124,6 +132,10 @@ def test_known_trace_jump_refreshes_exactly_the_blocks_that_jumped():
   expected = np.zeros(len(inv0), bool)
   expected[spec.a.start + 1] = expected[spec.g.start] = True
   np.testing.assert_array_equal(changed, expected)
+  # ... to the inverses that a first check on the second batch gives those blocks.
+  fresh = inverse_blocks(_run_checks(thor_optax.scale_by_thor(0.1, block_size=B),
+                                     [_stats(a2, g2)])[0])[spec.a.group]
+  np.testing.assert_allclose(inv1[expected], fresh[expected], rtol=1e-6, atol=1e-7)
 
 
 def test_bounded_rule_refreshes_a_block_skipped_max_stale_checks_in_a_row():
@@ -174,6 +186,12 @@ def test_bounded_rule_in_the_transform_refreshes_stale_blocks_exactly():
   assert set(stack_field(states[-1], "policy", "skipped")) == set(fresh)
   assert not stack_field(plain[-1], "policy", "skipped")  # the state is sized to the option
   assert "max_stale_checks=1" in trace.TraceRule(0.01, 0.0, 1).describe()
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, True, "2"])
+def test_refresh_buckets_must_be_a_count(bad):
+  with pytest.raises(ValueError, match=r"scale_by_thor: refresh_buckets must be an int >= 1"):
+    thor_optax.scale_by_thor(0.1, refresh_buckets=bad)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
