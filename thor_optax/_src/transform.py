@@ -528,10 +528,10 @@ def scale_by_thor(
       (default): none, the papers' damping. The aliases use 0.1, :func:`thor` 1
       (benchmarks/README.md, "Robustness").
     refresh_buckets: the number of static budgets a masked refresh chooses from
-      (``blocks.masked_block_update``: with 2, half of a layer's factor blocks or all of them,
-      whichever holds the blocks due); more buckets track the refreshed count more tightly at
-      the cost of compile time, each budget being a copy of the refresh in the compiled step.
-      They apply to the covariances of the blocks due, and on GPU and TPU (or with
+      (``blocks.masked_block_update``: with 2, half of the blocks or all of them, whichever
+      holds the blocks due, of a factor for its covariances and of a stack for its inversions);
+      more buckets track the refreshed count more tightly at the cost of compile time, each
+      budget being a copy of the refresh in the compiled step. They apply to the covariances of the blocks due, and on GPU and TPU (or with
       ``block_sharding``) to their inversions too; on CPU the blocks due are inverted one at a
       time, as many as are due. Default 2 (4 before): on a ResNet-50 (bfloat16, 224 x 224,
       batch 256, one H200) the check step compiled in 46.6 s with 2 budgets and 62.4 with 1
@@ -540,7 +540,7 @@ def scale_by_thor(
       67.2) against 63.1 with 5 due under 4 budgets; on the CPU (32 x 32, batch 8) the check
       compiled in 31.9 s against 39.1 (1 budget: 28.3) and ran as fast, and on the MNIST
       models compile and check times did not move (benchmarks/README.md, "On a GPU").
-      Below 1 raises ``ValueError``.
+      Anything but an int ``>= 1`` raises ``ValueError``.
     inverse_method: ``'cholesky'`` (damped inverse per block), ``'eigh'`` (eigendecomposition,
       exact damping of ``A (x) G``; KAISA), ``'woodbury'`` (``m x m`` solve from the ``m`` rows
       behind a factor; SKFAC; needs current-batch factors) or ``'auto'`` (Woodbury for factors
