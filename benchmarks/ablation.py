@@ -162,7 +162,8 @@ def _thor_root(rate_factor: float):
 
 def warm_start(rate: Any) -> optax.Schedule:
   """The rate ``rate * max(3 * 2^(-t / 20), 1)`` at step ``t``: 3 times ``rate`` at step 0,
-  halving every 20 steps down to ``rate`` from step 32 on (``optax.exponential_decay``).
+  halving every 20 steps down to ``rate`` from step 32 on (``rate`` times an
+  ``optax.exponential_decay`` factor).
   ``rate`` is a float or a schedule (the language model's warm-up and cosine decay), which
   the factor then multiplies.
 
@@ -170,10 +171,8 @@ def warm_start(rate: Any) -> optax.Schedule:
   0.9: 0.19) and needs tens of steps to grow, where Adam's and Muon's bias-corrected momenta
   step at full size from the first update; the warm start makes up for it over about as many
   steps."""
-  if callable(rate):
-    factor = optax.exponential_decay(3.0, 20, 0.5, end_value=1.0)
-    return lambda step: rate(step) * factor(step)
-  return optax.exponential_decay(3.0 * rate, 20, 0.5, end_value=rate)
+  factor = optax.exponential_decay(3.0, 20, 0.5, end_value=1.0)
+  return lambda step: (rate(step) if callable(rate) else rate) * factor(step)
 
 
 def bias_corrected(rate: float, momentum: float = 0.9) -> optax.Schedule:
