@@ -531,10 +531,11 @@ def scale_by_thor(
       (``blocks.masked_block_update``: with 2, half of the blocks or all of them, whichever
       holds the blocks due, of a factor for its covariances and of a stack for its inversions);
       more buckets track the refreshed count more tightly at the cost of compile time, each
-      budget being a copy of the refresh in the compiled step. They apply to the covariances of the blocks due, and on GPU and TPU (or with
-      ``block_sharding``) to their inversions too; on CPU the blocks due are inverted one at a
-      time, as many as are due. Default 2 (4 before): on a ResNet-50 (bfloat16, 224 x 224,
-      batch 256, one H200) the check step compiled in 46.6 s with 2 budgets and 62.4 with 1
+      budget being a copy of the refresh in the compiled step. They apply to the covariances
+      of the blocks due, and on GPU and TPU (or with ``block_sharding``) to their inversions
+      too; on CPU the blocks due are inverted one at a time, as many as are due. Default 2
+      (4 before): on a ResNet-50 (bfloat16, 224 x 224, batch 256, one H200) the check step
+      compiled in 46.6 s with 2 budgets and 62.4 with 1
       against 83.0 with 4 (the plain step: 34.7-38.3 s; the runs differ in what XLA had
       autotuned before), and a check with 1 of the 654 blocks due ran in 61.2 ms (1 budget:
       67.2) against 63.1 with 5 due under 4 budgets; on the CPU (32 x 32, batch 8) the check
