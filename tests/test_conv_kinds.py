@@ -372,14 +372,17 @@ def test_1d_and_3d_layouts_coincide_with_dense_general():
 @pytest.mark.parametrize("name", ["1d", "3d"])
 def test_with_bias_the_layout_from_shapes_is_accepted(name):
   """A 1-D / 3-D conv with bias, laid out from shapes as the ``DenseGeneral`` it equals, gets
-  the captured layout's update (the check step uses the statistics' kind)."""
+  the captured layout's update (the check step uses the statistics' kind), also under jit,
+  where the two layouts are compared while the step is traced."""
   model, params, x, y, _ = _problem(name, True)
   (_, grads), stats = thor_optax.flax.value_and_grad_with_stats(model, squared_error)(
       params, x, y)
   updates = {}
   for layers in (None, thor_optax.captured_layers(stats)):
     tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None, layers=layers)
-    updates[layers is None], _ = tx.update(grads, tx.init(params), None, curvature_stats=stats)
+    update = jax.jit(lambda g, s, st, tx=tx: tx.update(g, s, None, curvature_stats=st)[0],
+                     compiler_options=reference.FAST_COMPILE)
+    updates[layers is None] = update(grads, tx.init(params), stats)
   for a, b in zip(jax.tree.leaves(updates[True]), jax.tree.leaves(updates[False])):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-13)
 

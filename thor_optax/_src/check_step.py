@@ -266,8 +266,9 @@ def _same_layout(spec: layer_base.LayerSpec, kind: layer_base.LayerKind,
   for name, shape in spec.shapes:
     probe[name] = np.arange(size, size + math.prod(shape), dtype=np.float32).reshape(shape)
     size += math.prod(shape)
-  mine = np.asarray(spec.kind.to_matrix(spec, probe, jnp.float32))
-  theirs = np.asarray(kind.to_matrix(other, probe, jnp.float32))
+  with jax.ensure_compile_time_eval():  # concrete under jit: the probe is a constant
+    mine = np.asarray(spec.kind.to_matrix(spec, probe, jnp.float32))
+    theirs = np.asarray(kind.to_matrix(other, probe, jnp.float32))
   return other if mine.shape == theirs.shape and np.array_equal(mine, theirs) else None
 
 
