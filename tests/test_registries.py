@@ -262,6 +262,8 @@ class KindNet(nn.Module):
       h = nn.Dense(4, name="layer")(x)
     elif self.kind == "conv":
       h = nn.Conv(4, (3, 3), padding="SAME", name="layer")(x).mean(axis=(1, 2))
+    elif self.kind == "conv_transpose":
+      h = nn.ConvTranspose(4, (3, 3), strides=(2, 2), name="layer")(x).mean(axis=(1, 2))
     elif self.kind == "embed":
       h = nn.Embed(7, 4, name="layer")(x).mean(axis=1)
     elif self.kind == "dense_general":
@@ -285,6 +287,8 @@ class NnxKindNet(nnx.Module):
       self.layer = nnx.Linear(3, 4, **kw)
     elif kind == "conv":
       self.layer = nnx.Conv(2, 4, (3, 3), padding="SAME", **kw)
+    elif kind == "conv_transpose":
+      self.layer = nnx.ConvTranspose(2, 4, (3, 3), strides=(2, 2), **kw)
     elif kind == "embed":
       self.layer = nnx.Embed(7, 4, **kw)
     elif kind == "dense_general":
@@ -301,7 +305,7 @@ class NnxKindNet(nnx.Module):
   def __call__(self, x):
     if self.kind == "dense":
       h = self.layer(x)
-    elif self.kind == "conv":
+    elif self.kind in ("conv", "conv_transpose"):
       h = self.layer(x).mean(axis=(1, 2))
     elif self.kind == "embed":
       h = self.layer(x).mean(axis=1)
@@ -315,7 +319,7 @@ class NnxKindNet(nnx.Module):
 def _kind_inputs(kind):
   if kind == "embed":
     return jnp.asarray(np.random.default_rng(3).integers(0, 7, (BATCH, 3)))
-  shape = (BATCH, 4, 4, 2) if kind == "conv" else (BATCH, 3)
+  shape = (BATCH, 4, 4, 2) if kind.startswith("conv") else (BATCH, 3)
   return jnp.asarray(randn(3, shape))
 
 
@@ -369,12 +373,17 @@ def test_layer_kind(kind):
   """
   params, grads, stats, nnx_grads, nnx_stats, (first, rest) = _kind_run(kind)
   check = _Checks()
+  # The kind that reads the statistics and claims the parameters: the kind itself, but for a
+  # kind that only plans the capture (a transposed convolution is a convolution).
+  capture_only = kind.name == "conv_transpose"
+  kind = layers_lib.kind_named("conv") if capture_only else kind
 
   with check("capture: linen and NNX give the kind's statistics at the layer's path"):
     assert stats.unhandled == () and nnx_stats.unhandled == ()
     layer = stats.layers["layer"]
     assert type(layer) is kind.stats_type and type(nnx_stats.layers["layer"]) is kind.stats_type
     assert layers_lib.kind_of_stats(layer) is kind
+    assert not capture_only or layer.input_dilation == (2, 2)
     arrays = [np.asarray(getattr(layer, f)) for f in kind.example_axes]
     assert all(np.abs(a).max() > 1e-3 for a in arrays if a.dtype.kind == "f")
     # The same statistics (every layer, static metadata included) and gradients from both.

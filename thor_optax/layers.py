@@ -2,7 +2,7 @@
 
 A kind is a :class:`LayerKind` subclass instance registered with :func:`register_layer_kind`
 (tried before the built-in kinds). The built-in kinds are instances of ``Dense``, ``Conv``,
-``DenseGeneral``, ``Einsum``, ``Embed`` and ``Norm`` (``registered()`` lists them in the order
+``ConvTranspose``, ``DenseGeneral``, ``Einsum``, ``Embed`` and ``Norm`` (``registered()`` lists them in the order
 they are tried); subclass one of these classes to reuse its factors (see the README's "Layer
 kinds of your own").
 """
@@ -17,6 +17,7 @@ from thor_optax._src.layers.base import LayerSpec
 from thor_optax._src.layers.base import Plan
 from thor_optax._src.layers.conv import Conv
 from thor_optax._src.layers.conv import ConvSampling
+from thor_optax._src.layers.conv_transpose import ConvTranspose
 from thor_optax._src.layers.dense import Dense
 from thor_optax._src.layers.dense_general import DenseGeneral
 from thor_optax._src.layers.einsum import Einsum
@@ -27,6 +28,7 @@ __all__ = (
     "Claim",
     "Conv",
     "ConvSampling",
+    "ConvTranspose",
     "Dense",
     "DenseGeneral",
     "Einsum",

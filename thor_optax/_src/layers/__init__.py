@@ -1,8 +1,8 @@
 """The registry of layer kinds: capture, the transforms, micro-batches and weight rescaling
 loop over it.
 
-Each kind is one module of this package (``dense.py``, ``conv.py``, ``dense_general.py``,
-``einsum.py``, ``embed.py``, ``norm.py``)
+Each kind is one module of this package (``dense.py``, ``conv.py``, ``conv_transpose.py``,
+``dense_general.py``, ``einsum.py``, ``embed.py``, ``norm.py``)
 holding a :class:`~thor_optax._src.layers.base.LayerKind`. Kinds are tried in registry order;
 a kind registered by a user with :func:`register_layer_kind` is tried before the built-in ones,
 so it can take over modules (a subclass of ``nn.Conv`` whose kernel is transformed in
@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from thor_optax._src.layers import base
 from thor_optax._src.layers import conv
+from thor_optax._src.layers import conv_transpose
 from thor_optax._src.layers import dense
 from thor_optax._src.layers import dense_general
 from thor_optax._src.layers import einsum
@@ -24,8 +25,10 @@ from thor_optax._src.layers import norm
 LayerKind = base.LayerKind
 LayerSpec = base.LayerSpec
 
-_BUILTIN: tuple[base.LayerKind, ...] = (dense.Dense(), conv.Conv(), dense_general.DenseGeneral(),
-                                         einsum.Einsum(), embed.Embed(), norm.Norm())
+# ``ConvTranspose`` after ``Conv``: its statistics are ``ConvStats``, read by ``Conv``.
+_BUILTIN: tuple[base.LayerKind, ...] = (dense.Dense(), conv.Conv(), conv_transpose.ConvTranspose(),
+                                         dense_general.DenseGeneral(), einsum.Einsum(),
+                                         embed.Embed(), norm.Norm())
 _user: list[base.LayerKind] = []
 
 
