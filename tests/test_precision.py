@@ -222,3 +222,25 @@ def test_check_step_converts_bf16_conv_rows_only_where_factors_are_multiplied_ou
   rows = ("f32[8192,19]", "f32[8192,4]")
   assert all(r in hlo for r in rows)  # formed in a branch: the test sees them where they are
   assert not [r for r in rows if r in entry]
+
+
+def test_float32_hyperparameters_of_a_bf16_model_keep_the_guard_working(problem):
+  """A float32 momentum (or ``inject_hyperparams(..., hyperparam_dtype=float32)``) turns
+  optax's bfloat16 momentum into float32 at the first step: the non-finite guard keeps a
+  skipped step's state in the new dtype (it raised a ``lax.cond`` type error before), and a
+  NaN gradient then changes neither the momentum nor the curvature."""
+  params, grads, stats = problem
+  for tx in (thor_optax.thor(0.02, 0.03, momentum=jnp.float32(0.9), block_size=64),
+             optax.inject_hyperparams(
+                 thor_optax.thor, static_args=("block_size", "ema_decay", "ema_rows_ratio"),
+                 hyperparam_dtype=jnp.float32)(0.02, 0.03, block_size=64)):
+    update = jax.jit(tx.update)
+    updates, state = update(grads, tx.init(params), params, curvature_stats=stats)
+    assert _all_finite(updates)  # (float32, as optax.sgd with a float32 momentum gives)
+    nan_grads = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)
+    skipped, after = update(nan_grads, state, params)
+    assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(skipped))
+    assert int(optax.tree_utils.tree_get(after, "total_notfinite")) == 1
+    kept = [(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(state))
+            if jnp.issubdtype(a.dtype, jnp.floating)]
+    assert all(a.dtype == b.dtype and bool(jnp.all(a == b)) for a, b in kept)

@@ -80,7 +80,8 @@ def _keep_if(accept: jax.Array, new: Any, old: Any) -> Any:
   leaves) are chosen together in one ``lax.cond``: a select per small leaf made the guard a
   sizeable share of a check step's compile time on CPU, and a ``cond`` over the large ones
   would copy them (a plain step of the MNIST MLP took 16% longer). (``lax.select`` keeps typed
-  PRNG keys; ``jnp.where`` would turn them into their key data.)"""
+  PRNG keys; ``jnp.where`` would turn them into their key data.) A leaf whose dtype the step
+  changed is kept in the new dtype."""
   new_leaves, treedef = jax.tree_util.tree_flatten(new)
   old_leaves = treedef.flatten_up_to(old)
   leaves = list(new_leaves)
@@ -88,6 +89,10 @@ def _keep_if(accept: jax.Array, new: Any, old: Any) -> Any:
   for i, (n, o) in enumerate(zip(new_leaves, old_leaves)):
     if n is o:
       continue
+    if jnp.result_type(o) != jnp.result_type(n):
+      # The step changed a leaf's dtype (bfloat16 momentum given a float32 rate or momentum
+      # promotes to float32): the kept leaf takes the new dtype, as without the guard.
+      old_leaves[i] = o = jnp.asarray(o).astype(jnp.result_type(n))
     if jnp.size(n) >= _OWN_REDUCTION:
       leaves[i] = jax.lax.select(accept, n, o)
     else:
