@@ -535,6 +535,23 @@ def test_inject_hyperparams_without_static_args_names_them(name):
     tx.init(params)
 
 
+def test_inject_hyperparams_of_spngd_names_its_static_args():
+  """SP-NGD's adaptive refresh decides in Python which blocks a check refreshes: traced, its
+  settings raise a ValueError naming the static_args, with which the update is spngd's."""
+  params, grads, stats = _setup()
+  with pytest.raises(ValueError, match=r"static_args=\('adaptive_refresh', "
+                                       r"'max_refresh_interval'\) for spngd"):
+    optax.inject_hyperparams(thor_optax.spngd)(learning_rate=LR).init(params)
+  tx = optax.inject_hyperparams(
+      thor_optax.spngd, static_args=("adaptive_refresh", "max_refresh_interval"))(
+          learning_rate=LR)
+  got, _ = jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats))(
+      tx.init(params))
+  plain = thor_optax.spngd(learning_rate=LR)
+  want, _ = plain.update(grads, plain.init(params), params, curvature_stats=stats)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
+
+
 def test_layer_without_statistics_warns_that_it_keeps_its_inverses():
   params, grads, stats = _setup()
   tx = thor_optax.scale_by_thor()

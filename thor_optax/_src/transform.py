@@ -714,7 +714,7 @@ def scale_by_kfac(
     KAISA, SC 2021 (eigh, decoupled periods); Osawa et al., SP-NGD, TPAMI 2020, section
     "Adaptive frequency to refresh statistics" (rule above: our reading of it).
   """
-  if max_refresh_interval < 1:
+  if isinstance(max_refresh_interval, numbers.Integral) and max_refresh_interval < 1:
     raise ValueError(f"max_refresh_interval must be >= 1, got {max_refresh_interval}")
   return kronecker_preconditioner(Curvature(
       damping_schedule=damping, block_size=block_size,

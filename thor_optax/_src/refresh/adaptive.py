@@ -14,6 +14,7 @@ References:
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -40,6 +41,12 @@ class Adaptive(base.RefreshPolicy):
   requires = frozenset({"stored factors"})
 
   def __init__(self, tol: float, max_refresh_interval: int):
+    for name, value in (("adaptive_refresh", tol), ("max_refresh_interval", max_refresh_interval)):
+      if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise ValueError(
+            f"{name} must be a Python number, got {value!r}. It decides in Python which blocks "
+            "a check refreshes, so it cannot be a traced value: with optax.inject_hyperparams "
+            "pass static_args=('adaptive_refresh', 'max_refresh_interval') for spngd.")
     if not tol > 0:
       raise ValueError(f"adaptive_refresh must be a positive tolerance or None, got {tol}")
     if max_refresh_interval < 1:
