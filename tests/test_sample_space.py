@@ -32,7 +32,10 @@ from thor_optax.nnx import value_and_grad_with_stats as nnx_value_and_grad_with_
 from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
 from reference import F64, init_params, kronecker_state, randn, softmax_ce
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
+# A plain step that silently fell back to the gradient form would pass these comparisons
+# trivially: the warning that says so fails the test.
+pytestmark = [pytest.mark.usefixtures("fast_compiles"),
+              pytest.mark.filterwarnings("error:gradient_stats. the gradients")]
 
 N = 16  # rows of the MLP's layers
 TOL = 1e-12
@@ -59,17 +62,28 @@ def _mlp_setup():
 
 def _refreshed(tx, capture, params, x, y):
   """The optimizer state after one check step on ``(x, y)``."""
-  (_, grads), stats = capture(params, x, y)
-  _, state = jax.jit(tx.update)(grads, tx.init(params), params, curvature_stats=stats)
-  return state
+  def step(params, state, x, y):
+    (_, grads), stats = capture(params, x, y)
+    return tx.update(grads, state, params, curvature_stats=stats)[1]
+  return jax.jit(step)(params, tx.init(params), x, y)
+
+
+def _plain_step(tx, capture):
+  """A jitted plain step ``(params, state, x, y, with_rows) -> (updates, state, grads)``:
+  capture and update in one trace, as a training loop runs them (the rows stand only for the
+  gradient the capture returned in the same trace)."""
+  def step(params, state, x, y, with_rows):
+    (_, grads), stats = capture(params, x, y)
+    kw = {"gradient_stats": stats} if with_rows else {}
+    return tx.update(grads, state, params, **kw) + (grads,)
+  return jax.jit(step, static_argnums=4)
 
 
 def _both_forms(tx, state, capture, params, x, y):
   """``(from the gradient, from the rows, gradient)`` of a plain step after ``state``."""
-  (_, grads), stats = capture(params, x, y)
-  update = jax.jit(tx.update)
-  block, _ = update(grads, state, params)
-  rows, _ = update(grads, state, params, gradient_stats=stats)
+  step = _plain_step(tx, capture)
+  block, _, grads = step(params, state, x, y, False)
+  rows, _, _ = step(params, state, x, y, True)
   return block, rows, grads
 
 
@@ -92,13 +106,13 @@ def _assert_same_update(block, rows, grads):
 
 def test_mlp_rows_give_the_block_products_update_on_each_side_combination():
   model, params, x, y = _mlp_setup()
-  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  capture = value_and_grad_with_stats(model, softmax_ce)
   tx = thor_optax.scale_by_thor(0.05, block_size=64)
   state = _refreshed(tx, capture, params, x, y)
   x2 = jnp.asarray(randn(1, (N, 150)))  # the plain step's batch is another one
   block, rows, grads = _both_forms(tx, state, capture, params, x2, y)
   _assert_same_update(block, rows, grads)
-  _, stats = capture(params, x2, y)
+  _, stats = jax.eval_shape(capture, params, x2, y)
   assert stats.exact_rows == ("Dense_0", "Dense_1", "Dense_2", "Dense_3")
   assert stats.num_loss_terms == N
   specs = {spec.name: spec for spec in blocks.build_layout(params, 64).layers}
@@ -135,8 +149,8 @@ def _attention_setup(per_position):
 
 def test_attention_and_a_language_model_head_with_a_loss_per_position():
   model, params, ids, targets = _attention_setup(per_position=True)
-  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
-  _, stats = capture(params, ids, targets)
+  capture = value_and_grad_with_stats(model, softmax_ce)
+  _, stats = jax.eval_shape(capture, params, ids, targets)
   layers = thor_optax.captured_layers(stats)
   tx = thor_optax.scale_by_thor(0.05, block_size=8, layers=layers)
   state = _refreshed(tx, capture, params, ids, targets)
@@ -149,8 +163,8 @@ def test_attention_and_a_language_model_head_with_a_loss_per_position():
 
 def test_reduced_positions_and_sampled_fisher_fall_back_to_the_gradient():
   model, params, ids, labels = _attention_setup(per_position=False)
-  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))  # 'auto': reduce
-  _, stats = capture(params, ids, labels)
+  capture = value_and_grad_with_stats(model, softmax_ce)  # 'auto': reduce
+  _, stats = jax.eval_shape(capture, params, ids, labels)
   assert stats.exact_rows == ("head",)  # after pooling: one row per example
   tx = thor_optax.scale_by_thor(0.05, block_size=8, layers=thor_optax.captured_layers(stats))
   state = _refreshed(tx, capture, params, ids, labels)
@@ -185,12 +199,12 @@ def test_scanned_stack_and_summed_loss():
   params = init_params(model, x)
   summed = lambda out, t: softmax_ce(out, t) * out.shape[0]  # noqa: E731
   for loss_fn, kw, terms in ((softmax_ce, {}, 6), (summed, dict(loss_reduction="sum"), 1)):
-    capture = jax.jit(value_and_grad_with_stats(model, loss_fn, **kw))
+    capture = value_and_grad_with_stats(model, loss_fn, **kw)
     tx = thor_optax.scale_by_thor(0.05, block_size=16)
     state = _refreshed(tx, capture, params, x, y)
     block, rows, grads = _both_forms(tx, state, capture, params, x[::-1] * 1.5, y)
     _assert_same_update(block, rows, grads)
-    _, stats = capture(params, x, y)
+    _, stats = jax.eval_shape(capture, params, x, y)
     assert stats.num_loss_terms == terms
     assert "blocks/Dense_0" in stats.exact_rows
 
@@ -203,7 +217,7 @@ def test_check_step_from_the_rows():
   model, params, x, y = _mlp_setup()
   capture = value_and_grad_with_stats(model, softmax_ce)
   for tx in (thor_optax.scale_by_thor(0.05, block_size=64), thor_optax.thor(0.1, 0.05)):
-    state = _refreshed(tx, jax.jit(capture), params, x, y)
+    state = _refreshed(tx, capture, params, x, y)
 
     def step(params, state, with_rows, tx=tx):
       (_, grads), stats = capture(params, x * 2, y)
@@ -234,14 +248,13 @@ def test_kl_clip_reads_the_inner_product_from_the_rows():
   for model, params, x, y, x2, block in cases:
     params = params if params is not None else init_params(model, x)
     x2 = x2 if x2 is not None else x[::-1] * 1.5
-    capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+    capture = value_and_grad_with_stats(model, softmax_ce)
     tx = thor_optax.scale_by_kl_clip(thor_optax.scale_by_thor(0.05, block_size=block), 0.1,
                                      max_kl=1e-6)
     state = _refreshed(tx, capture, params, x, y)
-    (_, grads), stats = capture(params, x2, y)
-    update = jax.jit(tx.update)
-    block_u, block_state = update(grads, state, params)
-    rows_u, rows_state = update(grads, state, params, gradient_stats=stats)
+    step = _plain_step(tx, capture)
+    block_u, block_state, grads = step(params, state, x2, y, False)
+    rows_u, rows_state, _ = step(params, state, x2, y, True)
     assert float(block_state.scale) < 0.1  # the clip binds
     np.testing.assert_allclose(float(rows_state.scale), float(block_state.scale), rtol=1e-12)
     _assert_same_update(block_u, rows_u, grads)
@@ -249,22 +262,56 @@ def test_kl_clip_reads_the_inner_product_from_the_rows():
 
 def test_micro_batch_statistics_joined():
   model, params, x, y = _mlp_setup()
-  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  capture = value_and_grad_with_stats(model, softmax_ce)
   tx = thor_optax.scale_by_thor(0.05, block_size=64)
   state = _refreshed(tx, capture, params, x, y)
-  parts = [capture(params, x[i::2], y[i::2]) for i in range(2)]
-  grads = jax.tree.map(lambda a, b: (a + b) / 2, parts[0][0][1], parts[1][0][1])
-  joined = thor_optax.concatenate_stats(parts[0][1], parts[1][1])
-  assert joined.num_loss_terms == N and len(joined.exact_rows) == 4
-  update = jax.jit(tx.update)
-  block, _ = update(grads, state, params)
-  rows, _ = update(grads, state, params, gradient_stats=joined)
+
+  def step(params, state, x, y, joined_stats):
+    """Two micro-batches' mean gradient (a new array, as optax.MultiSteps' average), with the
+    joined statistics or the last micro-batch's (which the rows must not stand for)."""
+    parts = [capture(params, x[i::2], y[i::2]) for i in range(2)]
+    grads = jax.tree.map(lambda a, b: (a + b) / 2, parts[0][0][1], parts[1][0][1])
+    stats = {"none": None, "joined": thor_optax.concatenate_stats(parts[0][1], parts[1][1]),
+             "last": parts[1][1]}[joined_stats]
+    assert stats is None or len(stats.exact_rows) == 4
+    assert joined_stats != "joined" or stats.num_loss_terms == N
+    return tx.update(grads, state, params, gradient_stats=stats)[0], grads
+
+  step = jax.jit(step, static_argnums=4)
+  block, grads = step(params, state, x, y, "none")
+  rows, _ = step(params, state, x, y, "joined")
   _assert_same_update(block, rows, grads)
+  # One micro-batch's statistics with the accumulated gradient: not its rows, the gradient.
+  with pytest.warns(UserWarning, match="gradient_stats: the gradients of"):
+    last, _ = step(params, state, x, y, "last")
+  _assert_same_update(block, last, grads)
+
+
+@pytest.mark.filterwarnings("default:gradient_stats. the gradients")
+def test_a_transform_before_the_preconditioner_is_not_bypassed():
+  """``optax.chain(clip, scale_by_thor, ...)`` with ``gradient_stats=``: the clipped gradient
+  reaches the preconditioner, which the rows do not stand for, so it is preconditioned as it is
+  (equal to the step without ``gradient_stats``) and a warning says why; the raw gradient,
+  passed along unchanged, is still taken from the rows."""
+  model, params, x, y = _mlp_setup()
+  capture = value_and_grad_with_stats(model, softmax_ce)
+  thor = thor_optax.scale_by_thor(0.05, block_size=64)
+  state = _refreshed(thor, capture, params, x, y)
+  for pre in (optax.clip_by_global_norm(1e-3), optax.scale(0.5)):
+    tx = optax.chain(pre, thor)
+    step = _plain_step(tx, capture)
+    chained_state = (pre.init(params), state)
+    block, _, grads = step(params, chained_state, x * 2, y, False)
+    with pytest.warns(UserWarning, match=r"gradient_stats: the gradients of \['Dense_0'"):
+      rows, _, _ = step(params, chained_state, x * 2, y, True)
+    assert _relative(block, rows) < TOL
+    assert optax.tree.norm(rows) < 0.9 * optax.tree.norm(
+        _plain_step(thor, capture)(params, state, x * 2, y, True)[0])
 
 
 def test_eigh_and_masked_layers_use_the_gradient():
   model, params, x, y = _mlp_setup()
-  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  capture = value_and_grad_with_stats(model, softmax_ce)
   mask = lambda p: {k: jax.tree.map(lambda _: k != "Dense_0", v) for k, v in p.items()}  # noqa
   for tx in (thor_optax.scale_by_kfac(0.05, inverse_method="eigh"),
              optax.masked(thor_optax.scale_by_thor(0.05, block_size=64), mask)):
@@ -275,13 +322,16 @@ def test_eigh_and_masked_layers_use_the_gradient():
 
 def test_train_state_and_nnx_optimizer_pass_gradient_stats():
   model, params, x, y = _mlp_setup()
-  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  capture = value_and_grad_with_stats(model, softmax_ce)
   ts = TrainState.create(apply_fn=model.apply, params=params, tx=thor_optax.thor(0.1, 0.05))
-  (_, grads), stats = capture(params, x, y)
-  ts = jax.jit(lambda s, g, st: s.apply_gradients(grads=g, curvature_stats=st))(ts, grads, stats)
-  (_, grads), stats = capture(ts.params, x * 2, y)
-  apply = jax.jit(lambda s, g, **kw: s.apply_gradients(grads=g, **kw))
-  plain, rows = apply(ts, grads), apply(ts, grads, gradient_stats=stats)
+
+  def step(ts, x, stats_as):
+    (_, grads), stats = capture(ts.params, x, y)
+    return ts.apply_gradients(grads=grads, **({stats_as: stats} if stats_as else {}))
+
+  step = jax.jit(step, static_argnums=2)
+  ts = step(ts, x, "curvature_stats")
+  plain, rows = step(ts, x * 2, None), step(ts, x * 2, "gradient_stats")
   assert _relative(plain.params, rows.params) < TOL
 
   class Net(nnx.Module):
@@ -311,14 +361,11 @@ def test_train_state_and_nnx_optimizer_pass_gradient_stats():
 
 def test_guard_skips_a_step_whose_rows_are_not_finite():
   model, params, x, y = _mlp_setup()
-  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  capture = value_and_grad_with_stats(model, softmax_ce)
   tx = thor_optax.thor(0.1, 0.05)
-  (_, grads), stats = capture(params, x, y)
-  update = jax.jit(tx.update)
-  _, state = update(grads, tx.init(params), params, curvature_stats=stats)
+  state = _refreshed(tx, capture, params, x, y)
   bad = x.at[3, 7].set(jnp.nan)
-  (_, grads), stats = capture(params, bad, y)
-  updates, new_state = update(grads, state, params, gradient_stats=stats)
+  updates, new_state, _ = _plain_step(tx, capture)(params, state, bad, y, True)
   assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(updates))
   assert int(optax.tree_utils.tree_get(new_state, "total_notfinite")) == 1
   jax.tree.map(np.testing.assert_array_equal, kronecker_state(new_state), kronecker_state(state))
@@ -326,7 +373,7 @@ def test_guard_skips_a_step_whose_rows_are_not_finite():
 
 def test_errors_name_what_to_pass():
   model, params, x, y = _mlp_setup()
-  capture = jax.jit(value_and_grad_with_stats(model, softmax_ce))
+  capture = value_and_grad_with_stats(model, softmax_ce)
   tx = thor_optax.scale_by_thor(0.05)
   (_, grads), stats = capture(params, x, y)
   state = tx.init(params)

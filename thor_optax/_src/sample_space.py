@@ -32,6 +32,7 @@ References:
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 from thor_optax._src import blocks
 from thor_optax._src import check_step as check_lib
 from thor_optax._src import explicit
+from thor_optax._src import replicas
 from thor_optax._src import stats as stats_lib
 from thor_optax._src.layers import base as layer_base
 
@@ -126,8 +128,8 @@ def inner_product(spec: layer_base.LayerSpec, stats: Any, u: jax.Array, num_loss
 
 
 def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.BlockLayout,
-                     cfg: Any, masked: frozenset[str]) -> tuple[blocks.BlockLayout,
-                                                                dict[str, Any]]:
+                     cfg: Any, masked: frozenset[str], updates: Any) -> tuple[blocks.BlockLayout,
+                                                                             dict[str, Any]]:
   """The layers a plain step preconditions in sample space, with their statistics.
 
   Args:
@@ -135,17 +137,26 @@ def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.Bl
     layout: the gradient tree's layout.
     cfg: the transform's pieces.
     masked: modules that ``optax.masked`` hid from the transform (their statistics are dropped).
+    updates: the gradient tree the transform was given. A layer is taken from its rows only if
+      its leaves are the arrays the capture returned (``stats.is_captured_gradient``), if its
+      statistics were joined from micro-batches (``concatenate_stats``: the gradient is then
+      their accumulation), or under ``axis_name`` (the gradients come ``jax.lax.pmean``-ed,
+      and the rows' products are averaged the same way).
 
   Returns:
     ``(layout, {layer name: statistics})``: the layout with each layer's kind its statistics'
     (as a check step takes it), and the statistics (a stack's flattened to ``(copies, ...)``)
-    of the layers listed in ``exact_rows`` that are :func:`eligible` and have at least one
-    factor cheaper on the rows (:func:`sides`).
+    of the layers listed in ``exact_rows`` that are :func:`eligible`, have at least one
+    factor cheaper on the rows (:func:`sides`) and whose gradient leaves are the capture's.
 
   Raises:
     TypeError: if ``gradient_stats`` is not a :class:`thor_optax.CurvatureStats`.
     ValueError: if the statistics name a layer that is not in the gradients, or do not fit a
       layer's weights (the message names the layer).
+  Warns:
+    UserWarning: naming the layers whose gradient leaves are not the capture's (a transform
+      before this one changed them, or the capture ran in another ``jax.jit``): they are
+      preconditioned from their gradients, which is right but forgoes the rows' savings.
   """
   if not isinstance(gradient_stats, stats_lib.CurvatureStats):
     raise TypeError(
@@ -159,10 +170,18 @@ def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.Bl
         f"gradient_stats has statistics for {unknown}, which match no layer in the gradients. "
         "Capture them from the model whose gradients you pass, on the same batch.")
   layout = check_lib.as_captured(layout, flat)
+  leaves = {stats_lib.path_keys(path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]}
+  pmeaned = bool(replicas.names(cfg.axis_name))
   chosen: dict[str, Any] = {}
+  transformed = []
   for spec in layout.layers:
     stats = flat.get(spec.name)
     if stats is None or spec.name not in gradient_stats.exact_rows or not eligible(spec, cfg):
+      continue
+    if not (pmeaned or stats_lib.is_joined(stats) or all(
+        stats_lib.is_captured_gradient(leaves[spec.path + (name,)]) for name, _ in spec.shapes)):
+      transformed.append(spec.name)
       continue
     if spec.stack:
       stats = spec.flat_stack(stats)
@@ -174,4 +193,13 @@ def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.Bl
                           one_stats).shape[0]
     if any(sides(one, rows)):
       chosen[spec.name] = stats
+  if transformed:
+    warnings.warn(
+        f"gradient_stats: the gradients of {transformed} that reached the preconditioner are "
+        "not the arrays value_and_grad_with_stats returned, so these layers are preconditioned "
+        "from their gradients (the rows stand only for the captured gradient itself). Either a "
+        "transform before the preconditioner changed them (gradient clipping, a scale, weight "
+        "decay, optax.MultiSteps: right, but gradient_stats saves nothing; put such transforms "
+        "after it to keep the savings), or the capture ran in another jax.jit than the update "
+        "(call both in one jitted step).", stacklevel=5)
   return layout, chosen

@@ -399,7 +399,7 @@ def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtr
     rows, num_loss_terms = None, 1
     if gradient_stats is not None:
       layout, rows = sample_space.layers_with_rows(gradient_stats, layout, cfg,
-                                                   _masked_modules(updates))
+                                                   _masked_modules(updates), updates)
       num_loss_terms = gradient_stats.num_loss_terms
     updates = precondition_lib.precondition(updates, state, layout, cfg, lam,
                                             check_lib.state_dtype(state), rows, num_loss_terms,
