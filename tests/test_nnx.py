@@ -458,3 +458,39 @@ def test_failing_layer_is_named_and_classes_restored():
   for cls, call in originals.items():
     assert cls.__call__ is call, cls
   assert nnx.Embed.attend is attend
+
+
+def test_a_per_example_model_vmapped_over_the_batch_lists_its_dense_layers():
+  """``nnx.vmap(..., in_axes=(None, 0))`` over the batch of a model written for one example:
+  inside the vmap a Linear sees one example, ``(d_in,)``, with no example axis for its rows.
+  Its layers are listed with the reason (they crashed the check step before), and a check step
+  leaves their gradients as they are."""
+
+  class OneExample(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(6, 8, rngs=rngs)
+      self.b = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.b(jnp.tanh(self.a(x)))
+
+  class Batched(nnx.Module):
+    def __init__(self, rngs):
+      self.net = OneExample(rngs)
+
+    def __call__(self, x):
+      return nnx.vmap(lambda m, xi: m(xi), in_axes=(None, 0))(self.net, x)
+
+  loss_fn = lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean()  # noqa
+  model = Batched(nnx.Rngs(0))
+  x, y = jax.random.normal(jax.random.key(0), (5, 6)), jnp.arange(5) % 3
+  (_, grads), stats = thor_nnx.value_and_grad_with_stats(loss_fn)(model, x, y)
+  assert thor_optax.captured_layers(stats).kinds == {}
+  assert sorted(note.split(":")[0] for note in stats.unhandled) == ["net/a", "net/b"]
+  assert all("has no batch axis" in note for note in stats.unhandled)
+  tx = thor_optax.scale_by_thor(0.05)
+  params = nnx.state(model, nnx.Param)
+  with pytest.warns(UserWarning, match="preconditions none of the model's layers"):
+    updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+  jax.tree.map(np.testing.assert_array_equal, updates, grads)
+

@@ -114,6 +114,17 @@ class Dense(base.LayerKind):
   reduces_steps = True
   gradient_from_rows = True
 
+  def plan(self, module, methods, input_shape) -> base.Plan:
+    """Captured when the input has an example axis: ``(N, ..., d_in)``. A 1-D input is one
+    example (a per-example model under ``jax.vmap`` / ``nnx.vmap`` over the batch): listed,
+    since its rows would have no example axis."""
+    del module, methods
+    if len(input_shape) < 2:
+      return base.Plan(None, f"dense input of shape {tuple(input_shape)} has no batch axis (a "
+                             "model written for one example and vmapped over the batch: call "
+                             "it on the batch instead)")
+    return base.Plan(meta={})
+
   def make_shared_stats(self, methods, inputs, cotangents, **meta):
     """Every call's positions side by side: inputs ``(N, P_1 + P_2 + ..., d_in)``,
     cotangents ``(S, N, P_1 + P_2 + ..., d_out)``."""
