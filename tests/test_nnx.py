@@ -494,3 +494,46 @@ def test_a_per_example_model_vmapped_over_the_batch_lists_its_dense_layers():
     updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats)
   jax.tree.map(np.testing.assert_array_equal, updates, grads)
 
+
+def test_a_frozen_backbone_with_wrt():
+  """``nnx.Optimizer(model, tx, wrt=filter)`` freezing a backbone, with the same ``wrt=`` given
+  to the capture: the gradients and statistics hold the head only, the backbone does not move,
+  and the head's update is the one it gets when the whole model trains (THOR preconditions
+  layer by layer). Without ``wrt=`` the error names it."""
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.backbone = nnx.Linear(12, 32, rngs=rngs)
+      self.head = nnx.Linear(32, 5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(jnp.tanh(self.backbone(x)))
+
+  loss_fn = lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean()  # noqa
+  x, y = jax.random.normal(jax.random.key(0), (16, 12)), jnp.arange(16) % 5
+  head_only = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("backbone")))
+  tx = thor_optax.scale_by_thor(0.05, block_size=16)
+  updates = {}
+  for wrt in (nnx.Param, head_only):
+    model = Model(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, tx, wrt=wrt)
+    capture = thor_nnx.value_and_grad_with_stats(loss_fn, wrt=wrt)
+
+    @nnx.jit
+    def step(model, opt, x, y, capture=capture):
+      (_, grads), stats = capture(model, x, y)
+      return opt.update(model, grads, curvature_stats=stats, gradient_stats=stats), stats
+
+    before = np.asarray(model.backbone.kernel[...])
+    updates[wrt], stats = step(model, opt, x, y)
+    moved = not np.array_equal(before, np.asarray(model.backbone.kernel[...]))
+    assert moved == (wrt is nnx.Param)
+  assert set(stats.layers) == {"head"} and stats.exact_rows == ("head",)
+  got, want = nnx.to_pure_dict(updates[head_only]), nnx.to_pure_dict(updates[nnx.Param])
+  assert set(got) == {"head"}
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **F32), got["head"], want["head"])
+  model = Model(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, tx, wrt=head_only)
+  (_, grads), stats = thor_nnx.value_and_grad_with_stats(loss_fn)(model, x, y)
+  with pytest.raises(ValueError, match=r"pass the same wrt= to"):
+    opt.update(model, nnx.state(grads, head_only), curvature_stats=stats)

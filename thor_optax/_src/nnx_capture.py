@@ -64,6 +64,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from typing import Any, Callable, Iterator, Optional
@@ -74,6 +75,7 @@ import jax.numpy as jnp
 
 from thor_optax._src import capture as capture_lib
 from thor_optax._src import layers as layers_lib
+from thor_optax._src import stats as stats_lib
 from thor_optax._src import step_sharing
 
 
@@ -358,6 +360,7 @@ def value_and_grad_with_stats(
     loss_reduction: str = "mean",
     num_loss_terms: Optional[int] = None,
     weight_sharing: str = "auto",
+    wrt: Any = nnx.Param,
 ) -> Callable[..., Any]:
   """Loss, gradients and per-layer curvature statistics of a Flax NNX model, in one pass.
 
@@ -394,6 +397,12 @@ def value_and_grad_with_stats(
     weight_sharing: ``'auto'`` (default), ``'expand'`` or ``'reduce'``: how a layer applied at
       every position folds the positions into its factors (see
       ``thor_optax.flax.value_and_grad_with_stats``).
+    wrt: an NNX filter of the parameters to train, the ``wrt`` of ``nnx.Optimizer(model, tx,
+      wrt=...)`` (default ``nnx.Param``). With a narrower one (a frozen backbone,
+      ``nnx.All(nnx.Param, nnx.Not(nnx.PathContains('backbone')))``) the gradients hold only
+      those parameters, as ``nnx.grad(..., argnums=nnx.DiffState(0, wrt))`` gives them, and
+      the statistics only the layers with one of them (the optimizer, which sees only those
+      layers, rejects statistics of others as those of another model).
 
   Returns:
     ``fn(model, inputs, targets, rng=None, **call_kwargs) -> ((loss, grads), stats)``, which
@@ -401,7 +410,7 @@ def value_and_grad_with_stats(
     ``call_kwargs``), where:
 
     * ``grads`` is what ``nnx.grad(lambda m: loss_fn(m(inputs), targets))(model)`` gives: an
-      ``nnx.State`` of the model's ``nnx.Param`` variables, ready for
+      ``nnx.State`` of the model's ``nnx.Param`` variables (those ``wrt`` selects), ready for
       ``nnx.Optimizer(model, tx, wrt=nnx.Param).update(model, grads, curvature_stats=stats)``;
     * ``stats`` is a :class:`CurvatureStats` whose ``layers`` nest like ``grads`` at every
       captured layer (``stats.layers['blocks'][0]['linear']`` for the module at
@@ -449,6 +458,28 @@ def value_and_grad_with_stats(
     loss, grads, stats, new_rest = capture_lib.vjp_with_stats(
         forward, params, captured, unhandled, loss_fn, targets, rng, options)
     nnx.update(model, new_rest)
+    if wrt is not nnx.Param:
+      grads = nnx.state(grads, wrt)
+      stats = _trained_layers_only(stats, grads)
     return (loss, grads), stats
 
   return fn
+
+
+def _trained_layers_only(stats: stats_lib.CurvatureStats,
+                         grads: Any) -> stats_lib.CurvatureStats:
+  """``stats`` without the layers (and notes) of modules that have no leaf in ``grads``."""
+  trained = {stats_lib.layer_name(stats_lib.path_keys(path)[:-1])
+             for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]}
+
+  def prune(tree, keys):
+    if stats_lib.is_layer_stats(tree):
+      return tree if stats_lib.layer_name(keys) in trained else None
+    kept = {k: prune(v, keys + (str(k),)) for k, v in tree.items()}
+    return {k: v for k, v in kept.items() if v is not None and not (isinstance(v, dict)
+                                                                     and not v)}
+
+  return dataclasses.replace(
+      stats, layers=prune(stats.layers, ()),
+      unhandled=tuple(note for note in stats.unhandled if note.split(": ", 1)[0] in trained),
+      exact_rows=tuple(name for name in stats.exact_rows if name in trained))

@@ -168,7 +168,9 @@ def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.Bl
   if unknown:
     raise ValueError(
         f"gradient_stats has statistics for {unknown}, which match no layer in the gradients. "
-        "Capture them from the model whose gradients you pass, on the same batch.")
+        "Capture them from the model whose gradients you pass, on the same batch (with "
+        "nnx.Optimizer(model, tx, wrt=...), pass the same wrt= to "
+        "thor_optax.nnx.value_and_grad_with_stats).")
   layout = check_lib.as_captured(layout, flat)
   leaves = {stats_lib.path_keys(path): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]}
