@@ -179,3 +179,68 @@ def test_shared_layer_inside_a_lifted_transform_is_listed():
   params = reference.init_params(RematTwice(), x)
   (_, _), stats = reference.capture(RematTwice(), softmax_ce)(params, x, jnp.arange(N) % K)
   assert any("body/shared" in note and "lifted transform" in note for note in stats.unhandled)
+
+
+class RawTied(nn.Module):
+  """A tied autoencoder reading its encoder's kernel directly (``enc.variables``) and a tied
+  output written ``h @ embedding.T``, next to a scanned, rematerialized stack and a layer used
+  once, which stay captured (recurrent cells: ``test_recurrent_layers``)."""
+
+  @nn.compact
+  def __call__(self, ids):
+    emb = nn.Embed(V, D, name="emb")
+    h = emb(ids).mean(axis=1)                                         # (N, D)
+    enc = nn.Dense(6, name="enc")
+    z = jnp.tanh(enc(h))
+    rec = z @ enc.variables["params"]["kernel"].T                     # the raw use
+
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, c, _):
+        return c + jnp.tanh(nn.Dense(D, name="dense")(c)), None
+
+    c, _ = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=2)(name="blocks")(rec, None)
+    return c @ emb.embedding.T + nn.Dense(V, name="head")(c)          # raw tied output
+
+
+def _raw_tied_listed(stats):
+  listed = {note.split(":")[0] for note in stats.unhandled
+            if "used outside the layer's own calls" in note}
+  return listed, set(thor_optax.captured_layers(stats).kinds)
+
+
+def test_a_parameter_read_outside_its_layer_is_listed():
+  """A parameter that reaches the outputs other than through its layer's own calls: its
+  gradient has a part the layer's rows do not give (a plain step from the rows would drop it)
+  and its curvature misses that use, so the layer is listed; layers inside ``nn.scan`` and
+  ``nn.remat`` are not taken for shared ones. NNX lists the same."""
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, V, (N, T)))
+  y = jnp.arange(N) % V
+  params = reference.init_params(RawTied(), ids)
+  (_, grads), stats = reference.capture(RawTied(), softmax_ce)(params, ids, y)
+  listed, captured = _raw_tied_listed(stats)
+  assert listed == {"emb", "enc"}
+  assert {"blocks/dense", "head"} <= captured and not captured & {"emb", "enc"}
+  assert "enc" not in stats.exact_rows
+  # The listed layers pass through; the rows form is not applied to them.
+  tx = thor_optax.scale_by_thor(DAMPING, block_size=4)
+  state = tx.update(grads, tx.init(params), params, curvature_stats=stats)[1]
+  updates, _ = tx.update(grads, state, params, gradient_stats=stats)
+  np.testing.assert_array_equal(updates["enc"]["kernel"], grads["enc"]["kernel"])
+
+  class NNXRawTied(nnx.Module):
+    def __init__(self, rngs):
+      self.emb = nnx.Embed(V, D, rngs=rngs)
+      self.enc = nnx.Linear(D, 6, rngs=rngs)
+      self.head = nnx.Linear(6, V, rngs=rngs)
+
+    def __call__(self, ids):
+      h = self.emb(ids).mean(axis=1)
+      z = jnp.tanh(self.enc(h))
+      return self.head(z) + (z @ self.enc.kernel[...].T) @ self.emb.embedding[...].T
+
+  (_, _), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(
+      NNXRawTied(nnx.Rngs(0)), ids, y)
+  listed, captured = _raw_tied_listed(stats)
+  assert listed == {"emb", "enc"} and captured == {"head"}

@@ -69,7 +69,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
@@ -530,6 +530,12 @@ class _Apply:
                            capture_intermediates=self.kwargs.get("capture_intermediates", False))
     return out
 
+  def outputs(self, variables: dict, inputs: Any) -> Any:
+    """The model's outputs alone, as ``model.apply`` with the call's arguments gives them."""
+    kwargs = {k: v for k, v in self.kwargs.items() if k != "capture_intermediates"}
+    out = self.model.apply(variables, inputs, mutable=self.mutable, **kwargs)
+    return out[0] if self.mutable is not False else out
+
   def user_state(self, mutated: dict) -> Any:
     """The mutated collections as ``model.apply(..., mutable=self.mutable)`` returns them."""
     if not self.returns_state:
@@ -701,6 +707,65 @@ def _shared_with_apply(apply: _Apply, params: Any, model_state: dict, inputs: An
           f"model ({sites}; e.g. a tied output projection): weight sharing is not "
           "preconditioned yet")
   return shared
+
+
+def used_outside_their_calls(trace: Callable[[Any], Any], params: Any,
+                            modules: Iterable[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
+  """Captured modules whose parameters reach the model's outputs other than through the
+  module's own calls (a kernel read directly, ``z @ self.enc.variables['params']['kernel'].T``;
+  a tied output written ``h @ embed.embedding.T`` rather than ``embed.attend(h)``): their
+  gradient then has a part the layer's rows do not give, and their curvature misses that use,
+  so they are listed (weight sharing is not preconditioned yet).
+
+  Args:
+    trace: ``trace(params) -> outputs``, the model's forward pass in which every call of a
+      registered kind's method returns zeros of its output's shape (so that a parameter reaches
+      the outputs through its own calls no more).
+    params: the parameter tree.
+    modules: the module paths to check (those the capture would take).
+
+  Returns:
+    ``{module path: reason}``.
+
+  Found on the traced forward pass by dead-code elimination (``jax``'s own, which follows
+  ``scan``, ``remat``, ``jit`` and ``cond`` bodies): at trace time, no FLOPs.
+  """
+  modules = {tuple(str(k) for k in m): m for m in modules}  # (NNX paths may hold ints)
+  if not modules:
+    return {}
+  closed = jax.make_jaxpr(trace)(params)
+  used = _used_inputs(closed.jaxpr)
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  found = {}
+  for (path, _), is_used in zip(flat, used):
+    keys = stats_lib.path_keys(path)
+    if is_used and keys[:-1] in modules:
+      found[modules[keys[:-1]]] = (
+          f"its parameter {keys[-1]!r} is also used outside the layer's own calls (read directly, "
+          "e.g. a tied output h @ embedding.T: use Embed.attend, or call the layer): weight "
+          "sharing is not preconditioned yet")
+  return found
+
+
+def _used_inputs(jaxpr: Any) -> list[bool]:
+  """Which inputs of a jaxpr its outputs depend on, through sub-jaxprs too (JAX's dead-code
+  elimination, a private function: where a JAX release lacks it, none is reported, as before
+  this check existed; the coarse :func:`_inputs_feeding_outputs` would take every scanned
+  layer for a shared one)."""
+  try:
+    from jax._src.interpreters import partial_eval  # pylint: disable=import-outside-toplevel
+    return list(partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[1])
+  except (ImportError, AttributeError, TypeError):  # a JAX without it: no finding
+    return [False] * len(jaxpr.invars)
+
+
+def _zeroed_calls(next_fun, args, kwargs, context):
+  """A linen interceptor: a registered kind's method returns zeros of its output's shape."""
+  out = next_fun(*args, **kwargs)
+  kind = layers_lib.kind_of_module(context.module)
+  if kind is None or context.method_name not in kind.methods:
+    return out
+  return jax.tree_util.tree_map(jnp.zeros_like, out)
 
 
 def _inputs_feeding_outputs(jaxpr: Any) -> set:
@@ -892,6 +957,12 @@ def value_and_grad_with_stats(
     apply = _Apply(model, mutable, apply_kwargs)
     calls, counts, foreign = _discover(apply, params, model_state, inputs)
     shared = _shared_with_apply(apply, params, model_state, inputs, foreign)
+
+    def zeroed(p):
+      with nn.intercept_methods(_zeroed_calls):
+        return apply.outputs({"params": p, **model_state}, inputs)
+
+    shared.update(used_outside_their_calls(zeroed, params, set(calls) - set(shared)))
     captured, unhandled = plan_calls(
         calls, {path: "module kind not supported" for path in _module_paths(params)},
         counts, shared, weight_sharing)

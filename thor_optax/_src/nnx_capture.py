@@ -452,7 +452,10 @@ def value_and_grad_with_stats(
           "for a linen module use thor_optax.flax.value_and_grad_with_stats.")
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     calls, dtypes = _discover(graphdef, params, rest, inputs, call_kwargs)
+    outside = capture_lib.used_outside_their_calls(
+        functools.partial(_zeroed_forward, graphdef, rest, inputs, call_kwargs), params, calls)
     captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params),
+                                                 shared=outside,
                                                  weight_sharing=options.weight_sharing)
     forward = functools.partial(_forward, graphdef, rest, inputs, call_kwargs, captured, dtypes)
     loss, grads, stats, new_rest = capture_lib.vjp_with_stats(
@@ -464,6 +467,22 @@ def value_and_grad_with_stats(
     return (loss, grads), stats
 
   return fn
+
+
+def _zeroed_forward(graphdef, rest, inputs, call_kwargs, params):
+  """The model's outputs with every registered kind's method returning zeros of its output's
+  shape (``capture.used_outside_their_calls``)."""
+
+  def zeroed(original, mod, method, args, kwargs):
+    out = original(mod, *args, **kwargs)
+    kind = layers_lib.kind_of_module(mod)
+    if kind is None or method not in kind.methods:
+      return out
+    return jax.tree_util.tree_map(jnp.zeros_like, out)
+
+  copy = nnx.merge(graphdef, params, rest, copy=True)
+  with _intercept(zeroed):
+    return copy(inputs, **call_kwargs)
 
 
 def _trained_layers_only(stats: stats_lib.CurvatureStats,
