@@ -8,6 +8,8 @@ perturbations of a hand-written forward pass), explicit Kronecker products, and 
 Gauss-Newton matrix of a deep linear network. Float64.
 """
 
+import warnings
+
 import flax.linen as nn
 from flax import nnx
 import jax
@@ -223,11 +225,24 @@ def test_a_parameter_read_outside_its_layer_is_listed():
   assert listed == {"emb", "enc"}
   assert {"blocks/dense", "head"} <= captured and not captured & {"emb", "enc"}
   assert "enc" not in stats.exact_rows
-  # The listed layers pass through; the rows form is not applied to them.
+  # A plain step from the rows (capture and update in one jit): the listed layers keep the
+  # identity they have (no statistics), so their gradients pass through; the others are taken
+  # from their rows (no warning that they fell back to the gradient).
   tx = thor_optax.scale_by_thor(DAMPING, block_size=4)
-  state = tx.update(grads, tx.init(params), params, curvature_stats=stats)[1]
-  updates, _ = tx.update(grads, state, params, gradient_stats=stats)
+  capture = thor_optax.flax.value_and_grad_with_stats(RawTied(), softmax_ce)
+
+  def step(params, state, stats_as):
+    (_, grads), stats = capture(params, ids, y)
+    return tx.update(grads, state, params, **{stats_as: stats}) + (grads,)
+
+  step = jax.jit(step, static_argnums=2)
+  with pytest.warns(UserWarning, match=r"no statistics for some layers \(emb: its parameter"):
+    _, state, _ = step(params, tx.init(params), "curvature_stats")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    updates, _, grads = step(params, state, "gradient_stats")
   np.testing.assert_array_equal(updates["enc"]["kernel"], grads["enc"]["kernel"])
+  assert not np.allclose(updates["head"]["kernel"], grads["head"]["kernel"])
 
   class NNXRawTied(nnx.Module):
     def __init__(self, rngs):
