@@ -254,6 +254,12 @@ def patch_moments(stats: "ConvStats", dtype: jnp.dtype) -> tuple[jax.Array, jax.
   return sums[0], sums[1], int(np.prod(patches.shape[1:-1]))
 
 
+def kernel_size_of(module: Any) -> tuple[int, ...]:
+  """A conv module's ``kernel_size`` as a tuple (Flax accepts an int for 1-D)."""
+  size = module.kernel_size
+  return (size,) if isinstance(size, int) else tuple(size)
+
+
 def _settings(x: Any, nsp: int) -> tuple[int, ...]:
   """A module's strides or dilation as one int per spatial dimension (Flax's broadcast)."""
   if x is None:
@@ -316,8 +322,7 @@ class Conv(base.LayerKind):
 
   def plan(self, module, methods, input_shape) -> base.Plan:
     del methods
-    kernel_size = module.kernel_size
-    kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
+    kernel_size = kernel_size_of(module)
     nsp = len(kernel_size)
     if not 1 <= nsp <= 3:
       return base.Plan(None, f"{nsp}-D convolution (1-D, 2-D and 3-D are supported)")

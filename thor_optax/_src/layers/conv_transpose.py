@@ -66,8 +66,7 @@ class ConvTranspose(conv.Conv):
 
   def plan(self, module, methods, input_shape) -> base.Plan:
     del methods
-    kernel_size = module.kernel_size
-    kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
+    kernel_size = conv.kernel_size_of(module)
     nsp = len(kernel_size)
     if not 1 <= nsp <= 3:
       return base.Plan(None, f"{nsp}-D transposed convolution (1-D, 2-D and 3-D are supported)")
