@@ -163,6 +163,47 @@ def test_linen_every_layer_kind_two_devices_with_distributed_inversion():
   assert jax.typeof(got["Dense_0"]["kernel"]).sharding.spec == P(None, None)
 
 
+class Wide(nn.Module):
+  """Layers wider than the batch of 8 on both sides: both factors are applied to the rows."""
+
+  @nn.compact
+  def __call__(self, x, ids):
+    del ids
+    h = jnp.tanh(nn.Dense(16, **F64)(x.reshape(x.shape[0], -1)))
+    return nn.Dense(3, **F64)(nn.Dense(12, **F64)(h))
+
+
+def test_linen_plain_step_from_the_rows_on_a_data_mesh():
+  """``gradient_stats=`` with rows sharded over ``data``: the KL clip's ``R x R`` inner products
+  of the rows (a ``ShardingTypeError`` before) come out replicated, and the steps equal the
+  unsharded ones."""
+  x, ids, y = _data()
+  model = Wide()
+  capture = thor_linen.value_and_grad_with_stats(model, _loss)
+  tx = thor_optax.thor(0.1, 0.03, block_size=4, max_kl=1e-6)  # a clip that binds
+
+  def steps(params, state, x, ids, y):
+    for stats_as in ("curvature_stats", "gradient_stats"):
+      (_, grads), stats = capture(params, x, y, ids=ids)
+      updates, state = tx.update(grads, state, params, **{stats_as: stats})
+      params = optax.apply_updates(params, updates)
+    return params, state
+
+  with jax.enable_x64(True), warnings.catch_warnings():
+    warnings.simplefilter("error")
+    params = model.init(jax.random.PRNGKey(1), x, ids)["params"]
+    want, want_state = jax.jit(steps)(params, tx.init(params), x, ids, y)
+    with jax.set_mesh(_mesh((2,), ("data",))):
+      args = (jax.device_put(params, P()), tx.init(params), jax.device_put(x, P("data")),
+              jax.device_put(ids, P()), jax.device_put(y, P("data")))
+      got, got_state = jax.jit(steps)(*args)
+  assert _max_diff(got, want) < TOL
+  scale = optax.tree_utils.tree_get(want_state, "scale")
+  assert float(scale) < 1.0  # the clip bound
+  np.testing.assert_allclose(float(optax.tree_utils.tree_get(got_state, "scale")), float(scale),
+                             rtol=1e-12)
+
+
 def test_linen_skfac_one_by_one_mesh():
   """Woodbury inverses from the gathered rows, conv patches summed per example."""
   with jax.enable_x64(True), warnings.catch_warnings():

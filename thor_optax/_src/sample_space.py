@@ -109,7 +109,10 @@ def layer_update(spec: layer_base.LayerSpec, stats: Any, a_inverse: Any, g_inver
   x = x / m
   vg = None
   if side.a and side.g:  # <P^T Q, a0^T g0> / M^2 = sum((P a0^T) * (Q g0^T)) / M^2
-    vg = jnp.sum(jnp.einsum("ri,si->rs", a, a0) * jnp.einsum("rj,sj->rs", g, g0)) / (m * m)
+    # (R x R products of rows: under an explicit mesh that shards the rows, replicated)
+    rr = explicit.contraction_sharding(a, a0, g, g0)
+    vg = jnp.sum(jnp.einsum("ri,si->rs", a, a0, out_sharding=rr)
+                 * jnp.einsum("rj,sj->rs", g, g0, out_sharding=rr)) / (m * m)
   if not side.a:
     x = a_inverse.left(x)
   if not side.g:
