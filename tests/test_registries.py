@@ -60,6 +60,7 @@ from thor_optax._src import layers as layers_lib
 from thor_optax._src.inverses import base as inverse_base
 from thor_optax._src.inverses import eigh as eigh_lib
 from thor_optax._src.inverses import low_rank as low_rank_lib
+from thor_optax._src.static_args import STATIC_ARGS
 
 from reference import F64, block_part, init_params, kron_update, randn, reference_factors
 from reference import assert_orbax_round_trip, softmax_ce, stacked, unstack
@@ -583,8 +584,6 @@ ALIASES = {
     "kaisa": (thor_optax.kaisa, dict(inverse_period=2, max_kl=MAX_KL)),
     "spngd": (thor_optax.spngd, {}),
 }
-STATIC = ("block_size", "ema_decay", "ema_rows_ratio", "inverse_period", "adaptive_refresh",
-          "max_refresh_interval")
 NAMES = list(ALIASES)
 MICRO = 2  # examples per micro-batch; the joined batch has 2 MICRO
 
@@ -656,7 +655,7 @@ def _wrapped_runs(name, params, grads, stats, halves):
   (g_a, st_a), (g_b, st_b) = halves
   factory, settings = ALIASES[name]
   tx = _make(name)
-  static = tuple(arg for arg in STATIC if arg in inspect.signature(factory).parameters)
+  static = STATIC_ARGS[name]  # the documented tuple (the errors and the README name it)
   inject = optax.inject_hyperparams(factory, static_args=static)(
       learning_rate=LR, damping=LAM, **settings)
   # (MultiSteps averages the gradients in float32 unless told otherwise.)

@@ -11,6 +11,7 @@ import pytest
 
 import thor_optax
 from thor_optax.flax import value_and_grad_with_stats
+from thor_optax._src.static_args import STATIC_ARGS
 
 import reference
 from reference import inverse_blocks, stack_field
@@ -74,6 +75,24 @@ def test_chain_equals_manual_composition(setup):
   alias = thor_optax.thor(0.3, 0.05, weight_decay=1e-2, block_size=4)
   a_updates, _ = alias.update(grads, alias.init(params), params, curvature_stats=stats)
   _tree_allclose(a_updates, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["scale_by_thor", "scale_by_kfac"])
+def test_inject_hyperparams_of_the_building_blocks_with_their_static_args(setup, name):
+  """The tuples the errors and the README name (``static_args.STATIC_ARGS``) for the
+  building blocks: without them a ValueError names them; with them the update is the
+  uninjected transform's."""
+  params, grads, stats = setup
+  factory = getattr(thor_optax, name)
+  with pytest.raises(ValueError, match=rf"{name}: \(" + ", ".join(
+      f"'{a}'" for a in STATIC_ARGS[name]) + r"\)"):
+    optax.inject_hyperparams(factory)(damping=0.05).init(params)
+  tx = optax.inject_hyperparams(factory, static_args=STATIC_ARGS[name])(damping=0.05)
+  got, _ = jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats))(tx.init(params))
+  plain = factory(damping=0.05)
+  want, _ = jax.jit(lambda s: plain.update(grads, s, params, curvature_stats=stats))(
+      plain.init(params))
+  _tree_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
 def test_inject_hyperparams_changes_lr_and_damping_without_recompiling(setup):

@@ -31,6 +31,7 @@ import numpy as np
 
 from thor_optax._src import explicit
 from thor_optax._src import linalg
+from thor_optax._src import static_args
 from thor_optax._src import stats as stats_lib
 
 
@@ -194,9 +195,7 @@ def _check_block_size(block_size: Any) -> Optional[int]:
                                  or isinstance(block_size, bool) or block_size < 1):
     raise ValueError(
         f"block_size must be a positive Python int or None, got {block_size!r}. It fixes array "
-        "shapes, so it cannot be a traced value: with optax.inject_hyperparams pass "
-        "static_args=('block_size',), or static_args=('block_size', 'ema_decay', "
-        "'ema_rows_ratio') for thor.")
+        "shapes, so it cannot be a traced value: " + static_args.hint())
   return None if block_size is None else int(block_size)
 
 

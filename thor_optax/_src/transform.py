@@ -73,6 +73,7 @@ from thor_optax._src import inverses
 from thor_optax._src import precondition as precondition_lib
 from thor_optax._src import replicas
 from thor_optax._src import sample_space
+from thor_optax._src import static_args
 from thor_optax._src import stats as stats_lib
 from thor_optax._src.accumulators import current_batch
 from thor_optax._src.accumulators import running_average
@@ -221,7 +222,7 @@ class Curvature:
       raise ValueError(
           f"thor_optax.scale_by_thor: refresh_buckets must be an int >= 1 (the number of "
           f"static budgets of a masked refresh; 1 compiles the shortest step), got "
-          f"{self.num_buckets!r}.")
+          f"{self.num_buckets!r}; " + static_args.hint())
     if self.layers is not None and not isinstance(self.layers, stats_lib.CapturedLayers):
       raise ValueError(
           f"layers must be None or thor_optax.captured_layers(stats), got "

@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import jax
 import jax.numpy as jnp
 
+from thor_optax._src import static_args
 from thor_optax._src.accumulators import base
 
 Period = Union[int, Callable[[jax.Array], jax.Array]]
@@ -70,9 +71,7 @@ class RunningAverage(base.FactorAccumulator):
 
   def __init__(self, decay: float, inverse_period: Period, rows_ratio: Optional[float] = None):
     static = ("It decides the state's layout and the inversion steps in Python, so it cannot "
-              "be a traced value: with optax.inject_hyperparams pass static_args=('ema_decay', "
-              "'inverse_period') for kfac, kaisa and scale_by_kfac, or static_args=("
-              "'block_size', 'ema_decay', 'ema_rows_ratio') for thor and scale_by_thor.")
+              "be a traced value: " + static_args.hint())
     if not isinstance(decay, (int, float)) or isinstance(decay, bool):
       raise ValueError(f"ema_decay must be a Python float in [0, 1) or None, got {decay!r}. "
                        + static)
@@ -85,8 +84,8 @@ class RunningAverage(base.FactorAccumulator):
     if rows_ratio is not None and (not isinstance(rows_ratio, (int, float))
                                    or isinstance(rows_ratio, bool) or not 0 < rows_ratio < inf):
       raise ValueError(f"ema_rows_ratio must be None or a positive Python number, got "
-                       f"{rows_ratio!r}. It decides in Python which blocks are averaged: with "
-                       "optax.inject_hyperparams pass it in static_args.")
+                       f"{rows_ratio!r}. It decides in Python which blocks are averaged: "
+                       + static_args.hint())
     self.decay, self.inverse_period, self.rows_ratio = float(decay), inverse_period, rows_ratio
 
   def describe(self) -> str:

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from thor_optax._src import static_args
 from thor_optax._src.refresh import base
 
 
@@ -45,8 +46,7 @@ class Adaptive(base.RefreshPolicy):
       if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise ValueError(
             f"{name} must be a Python number, got {value!r}. It decides in Python which blocks "
-            "a check refreshes, so it cannot be a traced value: with optax.inject_hyperparams "
-            "pass static_args=('adaptive_refresh', 'max_refresh_interval') for spngd.")
+            "a check refreshes, so it cannot be a traced value: " + static_args.hint())
     if not tol > 0:
       raise ValueError(f"adaptive_refresh must be a positive tolerance or None, got {tol}")
     if max_refresh_interval < 1:
