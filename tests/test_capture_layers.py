@@ -319,3 +319,23 @@ def test_norm_over_other_axes_unhandled():
   assert set(stats.layers) == {"head"}  # ln_plain has no parameters
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-14)
   jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **TIGHT), grads, ref_grads)
+
+
+def test_bare_parameters_are_named_in_the_reason():
+  """A ``self.param`` of the root module (a learned position table, a class token) is listed
+  under ``(root)``, naming the parameters rather than only 'module kind not supported'."""
+
+  class WithTable(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      pos = self.param("pos", nn.initializers.normal(0.02), x.shape[1:], F64)
+      cls = self.param("cls", nn.initializers.zeros, (x.shape[-1],), F64)
+      return nn.Dense(3, param_dtype=F64)(x + pos + cls)
+
+  x = jnp.asarray(randn(0, (4, 5)))
+  params = init_params(WithTable(), x)
+  (_, _), stats = value_and_grad_with_stats(WithTable(), softmax_ce)(params, x, jnp.arange(4) % 3)
+  assert set(stats.layers) == {"Dense_0"}
+  assert stats.unhandled == (
+      "(root): module kind not supported (parameters 'cls', 'pos' pass through "
+      "unpreconditioned; thor_optax.register_layer_kind can take it)",)

@@ -349,7 +349,8 @@ def test_shared_and_unsupported_layers_are_unhandled_and_pass_through():
   (loss, grads), stats = thor_nnx.value_and_grad_with_stats(_loss)(model, x, y)
 
   assert stats.unhandled == (
-      "general: module kind not supported",
+      "general: module kind not supported (parameter 'gain' passes through unpreconditioned; "
+      "thor_optax.register_layer_kind can take it)",
       "shared: called 2 times per forward pass (shared layer): weight sharing of a 'norm' "
       "layer is not preconditioned",
       "unused: not called in the forward pass, or called inside a raw jax transform "

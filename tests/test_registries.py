@@ -521,7 +521,8 @@ def test_user_kind_is_unhandled_until_registered():
   model, x, y, params = _projection_batch()
   (_, _), stats = value_and_grad_with_stats(model, softmax_ce)(params, x, y)
   assert set(stats.layers) == {"head"}
-  assert stats.unhandled == ("proj: module kind not supported",)
+  assert stats.unhandled == ("proj: module kind not supported (parameter 'w' passes through "
+                             "unpreconditioned; thor_optax.register_layer_kind can take it)",)
   assert [spec.name for spec in blocks.build_layout(params, None).layers] == ["head"]
 
 

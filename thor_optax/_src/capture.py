@@ -95,9 +95,19 @@ def primary_input(args: tuple, kwargs: dict) -> Any:
   raise ValueError(f"cannot find the input among keyword arguments {sorted(kwargs)}")
 
 
-def _module_paths(params: Any) -> set[tuple[str, ...]]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(params)
-  return {stats_lib.path_keys(path)[:-1] for path, _ in flat}
+def unsupported_reasons(leaf_paths: Iterable[tuple[Any, ...]]) -> dict[tuple[Any, ...], str]:
+  """``{module path: reason}`` for modules no registered kind takes, naming their parameters
+  (a bare ``self.param('pos', ...)`` of the root module shows up as ``(root)``)."""
+  leaves: dict[tuple[Any, ...], list] = {}
+  for path in leaf_paths:
+    leaves.setdefault(tuple(path[:-1]), []).append(str(path[-1]))
+  def reason(names):
+    quoted = ", ".join(repr(n) for n in sorted(names))
+    verb = "passes" if len(names) == 1 else "pass"
+    return (f"module kind not supported (parameter{'s' * (len(names) > 1)} {quoted} {verb} "
+            "through unpreconditioned; thor_optax.register_layer_kind can take it)")
+
+  return {module: reason(names) for module, names in leaves.items()}
 
 
 def output_cotangents(outputs: jax.Array, dloss: jax.Array, num_terms: int, fisher_type: str,
@@ -479,7 +489,8 @@ def vjp_with_stats(
   perturbations = {path: zeros(c) for path, c in captured.items()}
   outputs, vjp_fn, (layer_inputs, aux) = jax.vjp(forward, params, perturbations, has_aux=True)
   loss, dloss = jax.value_and_grad(loss_fn)(outputs, targets)
-  dloss = jax.tree.map(lambda d, o: d.astype(o.dtype), dloss, outputs)
+  # (an output may be a Python number, ``return logits, 0.0``: it has no dtype attribute)
+  dloss = jax.tree.map(lambda d, o: jnp.asarray(d).astype(jnp.result_type(o)), dloss, outputs)
   grads, layer_cts = vjp_fn(dloss)
   # A layer shared over a loop's iterations: its input sums come back as gradients.
   layer_inputs = {**layer_inputs, **{path: layer_cts[path] for path, c in captured.items()
@@ -964,7 +975,8 @@ def value_and_grad_with_stats(
 
     shared.update(used_outside_their_calls(zeroed, params, set(calls) - set(shared)))
     captured, unhandled = plan_calls(
-        calls, {path: "module kind not supported" for path in _module_paths(params)},
+        calls, unsupported_reasons(stats_lib.path_keys(path) for path, _ in
+                                   jax.tree_util.tree_flatten_with_path(params)[0]),
         counts, shared, weight_sharing)
     forward = functools.partial(
         _forward, apply, model_state, inputs,

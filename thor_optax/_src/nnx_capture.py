@@ -196,14 +196,12 @@ def _module_reasons(model: nnx.Module, params: nnx.State) -> dict[tuple[Any, ...
   for path, node in nnx.iter_graph(model):
     if isinstance(node, nnx.Module):
       modules.setdefault(tuple(path), node)
-  reasons = {}
-  for path, _ in nnx.to_flat_state(params):
-    owner = tuple(path[:-1])
+  paths = [tuple(path) for path, _ in nnx.to_flat_state(params)]
+  reasons = capture_lib.unsupported_reasons(paths)
+  for owner in reasons:
     if layers_lib.kind_of_module(modules.get(owner)) is not None:
       reasons[owner] = ("not called in the forward pass, or called inside a raw jax transform "
                         "(jax.lax.scan, jax.checkpoint) instead of its nnx counterpart")
-    else:
-      reasons[owner] = "module kind not supported"
   return reasons
 
 
