@@ -113,6 +113,16 @@ def test_state_sharding_rejects_unknown_axis(mesh, single_device):
     thor_optax.kronecker_state_sharding(single_device[1], mesh, "model")
 
 
+@pytest.mark.parametrize("make", [lambda mesh: mesh, lambda mesh: NamedSharding(mesh, P()),
+                                  lambda mesh: NamedSharding(mesh, P(None, "data"))],
+                         ids=["mesh", "replicated", "second_axis"])
+def test_block_sharding_that_divides_nothing_is_rejected(mesh, make):
+  """A Mesh (crashed at the first check step) or a spec that does not split the block stacks'
+  leading axis (every device inverted every block, silently) is rejected when built."""
+  with pytest.raises(ValueError, match=r"block_sharding must be None or a jax.sharding"):
+    thor_optax.thor(0.1, block_sharding=make(mesh))
+
+
 def _free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -208,6 +208,13 @@ class Curvature:
 
   def __post_init__(self):
     replicas.validate(self.axis_name)
+    if self.block_sharding is not None and (
+        not isinstance(self.block_sharding, jax.sharding.NamedSharding)
+        or not self.block_sharding.spec or self.block_sharding.spec[0] is None):
+      raise ValueError(
+          f"block_sharding must be None or a jax.sharding.NamedSharding whose spec names the "
+          f"mesh axes that divide the blocks on its first entry, e.g. NamedSharding(mesh, "
+          f"PartitionSpec('data')); got {self.block_sharding!r}.")
     if replicas.names(self.axis_name) and self.block_sharding is not None:
       raise ValueError(
           f"axis_name={self.axis_name!r} and block_sharding cannot be combined: block_sharding "
