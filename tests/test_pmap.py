@@ -190,9 +190,9 @@ class _Small(nn.Module):
     return nn.Dense(3, dtype=F64, param_dtype=F64)(x)
 
 
-def _small_check(tx):
+def _small_check(tx, stats_as="curvature_stats"):
   """A pmappable check step of one dense layer (``A`` of dimension 17, ``G`` of 3), and its
-  replicated inputs."""
+  replicated inputs (``stats_as="gradient_stats"``: a plain step from the rows)."""
   model = _Small()
   x = jnp.asarray(np.random.default_rng(2).standard_normal((REPLICAS, N, 16)))
   y = jnp.asarray(np.arange(REPLICAS * N).reshape(REPLICAS, N) % 3, jnp.int32)
@@ -201,7 +201,7 @@ def _small_check(tx):
 
   def check(params, state, x, y):
     (_, grads), stats = capture(params, x, y)
-    return tx.update(grads, state, params, curvature_stats=stats)
+    return tx.update(grads, state, params, **{stats_as: stats})
 
   replicated = jax.tree.map(lambda a: jnp.stack([a] * REPLICAS), (params, tx.init(params)))
   return check, (*replicated, x, y)
@@ -231,6 +231,11 @@ def test_axis_name_that_is_not_bound_raises():
     jax.jit(check)(*unreplicated)
   with pytest.raises(ValueError, match=r"no mapped axis 'batch' is bound.*bound: \['data'\]"):
     _pmap(check, axis_name="data")(*args)
+  # A plain step from the rows averages across the axis too (a NameError deep in JAX before).
+  plain, args = _small_check(thor_optax.thor(0.1, axis_name="batch"), "gradient_stats")
+  with pytest.raises(ValueError, match=r"no mapped axis 'batch' is bound where a plain step "
+                                       r"from the rows"):
+    jax.jit(plain)(*jax.tree.map(lambda a: a[0], args))
 
 
 def test_axis_name_empty_keeps_each_replicas_curvature():

@@ -88,8 +88,11 @@ def _bound_axis_names() -> Optional[list]:
     return None
 
 
-def check_axis(axis_name: Optional[AxisName]) -> None:
-  """Checks, while a check step is traced, that ``axis_name`` fits the mapped axes around it.
+def check_axis(axis_name: Optional[AxisName],
+               step: str = "the check step (update with curvature_stats)") -> None:
+  """Checks, while a step that averages across replicas is traced (``step``, for the message:
+  a check step, or a plain step from the rows), that ``axis_name`` fits the mapped axes
+  around it.
 
   Raises:
     ValueError: if ``axis_name`` is ``None`` but the step runs inside a named axis (``jax.pmap``,
@@ -120,9 +123,9 @@ def check_axis(axis_name: Optional[AxisName]) -> None:
       bound = _bound_axis_names()
       raise ValueError(
           f"thor_optax: the optimizer was built with axis_name={axis_name!r}, but no mapped "
-          f"axis {name!r} is bound where the check step runs"
+          f"axis {name!r} is bound where {step} runs"
           + (f" (bound: {bound})" if bound is not None else "") +
-          f". Call update with curvature_stats inside jax.pmap(..., axis_name={name!r}) (or "
+          f". Run it inside jax.pmap(..., axis_name={name!r}) (or "
           f"jax.shard_map over a mesh axis {name!r}); on one device, or under jax.jit with "
           "sharded arrays (where the compiler reduces the statistics itself), build the "
           "optimizer without axis_name.") from None

@@ -178,6 +178,8 @@ def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.Bl
   leaves = {stats_lib.path_keys(path): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]}
   pmeaned = bool(replicas.names(cfg.axis_name))
+  if pmeaned:  # the rows' products are averaged over it: it must be bound (jax.pmap)
+    replicas.check_axis(cfg.axis_name, "a plain step from the rows (update with gradient_stats)")
   chosen: dict[str, Any] = {}
   transformed = []
   for spec in layout.layers:
@@ -201,10 +203,10 @@ def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.Bl
   if transformed:
     warnings.warn(
         f"gradient_stats: the gradients of {transformed} that reached the preconditioner are "
-        "not the arrays value_and_grad_with_stats returned, so these layers are preconditioned "
-        "from their gradients (the rows stand only for the captured gradient itself). Either a "
+        "not the arrays value_and_grad_with_stats returned in this trace, so these layers are "
+        "preconditioned from their gradients: right, but without the rows' savings. Either a "
         "transform before the preconditioner changed them (gradient clipping, a scale, weight "
-        "decay, optax.MultiSteps: right, but gradient_stats saves nothing; put such transforms "
-        "after it to keep the savings), or the capture ran in another jax.jit than the update "
-        "(call both in one jitted step).", stacklevel=5)
+        "decay, an accumulation: its effect is kept, and gradient_stats can be left out), or "
+        "the capture was jitted apart from the update (call value_and_grad_with_stats and "
+        "tx.update in one jitted step).", stacklevel=5)
   return layout, chosen
