@@ -80,6 +80,11 @@ from thor_optax._src.transform import LayerDiagnostics
 from thor_optax._src.transform import scale_by_kfac
 from thor_optax._src.transform import scale_by_thor
 from thor_optax._src.weight_rescaling import rescale_weight_norms
+# The integrations load with the package: `import thor_optax` alone gives thor_optax.flax,
+# thor_optax.nnx and thor_optax.layers, as the README's snippets use them.
+from thor_optax import flax  # pylint: disable=g-bad-import-order
+from thor_optax import layers
+from thor_optax import nnx
 
 __version__ = "0.2.0"
 
