@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import string
-from typing import Mapping, Optional
+from typing import Optional
 
 import flax.linen as nn
 from flax import nnx
