@@ -82,9 +82,9 @@ from thor_optax._src.transform import scale_by_thor
 from thor_optax._src.weight_rescaling import rescale_weight_norms
 # The integrations load with the package: `import thor_optax` alone gives thor_optax.flax,
 # thor_optax.nnx and thor_optax.layers, as the README's snippets use them.
-from thor_optax import flax  # pylint: disable=g-bad-import-order  # noqa: F401
-from thor_optax import layers  # noqa: F401
-from thor_optax import nnx  # noqa: F401
+from thor_optax import flax  # pylint: disable=g-bad-import-order
+from thor_optax import layers
+from thor_optax import nnx
 
 __version__ = "0.2.0"
 
@@ -127,4 +127,7 @@ __all__ = (
     "thor_damping_schedule",
     "thor_learning_rate_schedule",
     "unregister_layer_kind",
+    "flax",
+    "layers",
+    "nnx",
 )
