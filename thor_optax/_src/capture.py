@@ -510,7 +510,7 @@ def vjp_with_stats(
     cts = jax.vmap(lambda ct: vjp_fn(ct)[1])(out_cts)
   stats = _curvature_stats(captured, unhandled, layer_inputs, cts, num_terms,
                            options.weight_sharing, options.fisher_type == "empirical")
-  stats_lib.mark_captured_gradients(grads)  # what a plain step from the rows may stand in for
+  stats_lib.mark_captured_gradients(grads, stats)  # what a plain step from the rows stands for
   return loss, grads, stats, aux
 
 

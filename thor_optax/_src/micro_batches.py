@@ -97,7 +97,6 @@ def concatenate_stats(*stats: stats_lib.CurvatureStats) -> stats_lib.CurvatureSt
   whole = [s for s in stats if isinstance(s, stats_lib.CurvatureStats)]
   exact = (set.intersection(*(set(s.exact_rows) for s in whole))
            if len(whole) == len(stats) else set())
-  stats_lib.mark_joined_stats(layers)  # their gradient is an accumulation: see sample_space
   return stats_lib.CurvatureStats(
       layers=layers, unhandled=notes, exact_rows=tuple(sorted(exact)),
       num_loss_terms=sum(s.num_loss_terms for s in whole) if exact else 1)

@@ -141,16 +141,17 @@ def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.Bl
     cfg: the transform's pieces.
     masked: modules that ``optax.masked`` hid from the transform (their statistics are dropped).
     updates: the gradient tree the transform was given. A layer is taken from its rows only if
-      its leaves are the arrays the capture returned (``stats.is_captured_gradient``), if its
-      statistics were joined from micro-batches (``concatenate_stats``: the gradient is then
-      their accumulation), or under ``axis_name`` (the gradients come ``jax.lax.pmean``-ed,
-      and the rows' products are averaged the same way).
+      its leaves are the arrays the capture returned together with these statistics
+      (``stats.is_captured_gradient``: not another batch's, not clipped, not accumulated over
+      micro-batches), or under ``axis_name`` (the gradients come ``jax.lax.pmean``-ed, and
+      the rows' products are averaged the same way).
 
   Returns:
     ``(layout, {layer name: statistics})``: the layout with each layer's kind its statistics'
     (as a check step takes it), and the statistics (a stack's flattened to ``(copies, ...)``)
     of the layers listed in ``exact_rows`` that are :func:`eligible`, have at least one
-    factor cheaper on the rows (:func:`sides`) and whose gradient leaves are the capture's.
+    factor cheaper on the rows (:func:`sides`) and whose gradient leaves are those the
+    capture returned with these statistics.
 
   Raises:
     TypeError: if ``gradient_stats`` is not a :class:`thor_optax.CurvatureStats`.
@@ -186,8 +187,8 @@ def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.Bl
     stats = flat.get(spec.name)
     if stats is None or spec.name not in gradient_stats.exact_rows or not eligible(spec, cfg):
       continue
-    if not (pmeaned or stats_lib.is_joined(stats) or all(
-        stats_lib.is_captured_gradient(leaves[spec.path + (name,)]) for name, _ in spec.shapes)):
+    if not (pmeaned or all(stats_lib.is_captured_gradient(leaves[spec.path + (name,)], stats)
+                           for name, _ in spec.shapes)):
       transformed.append(spec.name)
       continue
     if spec.stack:
@@ -203,10 +204,12 @@ def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.Bl
   if transformed:
     warnings.warn(
         f"gradient_stats: the gradients of {transformed} that reached the preconditioner are "
-        "not the arrays value_and_grad_with_stats returned in this trace, so these layers are "
-        "preconditioned from their gradients: right, but without the rows' savings. Either a "
+        "not the arrays value_and_grad_with_stats returned with these statistics in this "
+        "trace, so these layers are preconditioned from their gradients: right, but without "
+        "the rows' savings. Either a "
         "transform before the preconditioner changed them (gradient clipping, a scale, weight "
-        "decay, an accumulation: its effect is kept, and gradient_stats can be left out), or "
-        "the capture was jitted apart from the update (call value_and_grad_with_stats and "
-        "tx.update in one jitted step).", stacklevel=5)
+        "decay, an accumulation over micro-batches: its effect is kept, and gradient_stats "
+        "can be left out), the statistics are another batch's, or the capture was jitted "
+        "apart from the update (call value_and_grad_with_stats and tx.update in one jitted "
+        "step).", stacklevel=5)
   return layout, chosen

@@ -76,69 +76,62 @@ is_layer_stats = layers_lib.is_layer_stats
 
 
 class _Marks:
-  """A set of live arrays or tracers by identity (weak references: an entry goes with its
-  object, so an ``id`` is never matched to a later object)."""
+  """Live arrays or tracers by identity, each with the objects it was recorded with (weak
+  references: an entry goes with its object, so an ``id`` is never matched to a later one)."""
 
   def __init__(self):
-    self._refs: dict[int, weakref.ref] = {}
+    self._refs: dict[int, tuple[weakref.ref, tuple[weakref.ref, ...]]] = {}
 
-  def add(self, tree: Any) -> None:
-    for leaf in jax.tree_util.tree_leaves(tree):
-      key = id(leaf)
+  def add(self, leaf: Any, partners: tuple[Any, ...] = ()) -> None:
+    key = id(leaf)
 
-      def forget(ref, key=key):
-        if self._refs.get(key) is ref:
-          del self._refs[key]
+    def forget(ref, key=key):
+      if self._refs.get(key, (None,))[0] is ref:
+        del self._refs[key]
 
-      try:
-        self._refs[key] = weakref.ref(leaf, forget)
-      except TypeError:  # not weakly referenceable (a Python number): never matched
-        pass
+    try:
+      self._refs[key] = (weakref.ref(leaf, forget), tuple(weakref.ref(p) for p in partners))
+    except TypeError:  # not weakly referenceable (a Python number): never matched
+      pass
 
-  def __contains__(self, leaf: Any) -> bool:
-    ref = self._refs.get(id(leaf))
-    return ref is not None and ref() is leaf
+  def holds(self, leaf: Any, partners: tuple[Any, ...] = ()) -> bool:
+    """Whether ``leaf`` was recorded, with exactly these partners (by identity)."""
+    ref, refs = self._refs.get(id(leaf), (None, ()))
+    return (ref is not None and ref() is leaf and len(refs) == len(partners)
+            and all(r() is p for r, p in zip(refs, partners)))
 
 
-# The gradient leaves the captures returned, and the statistics concatenate_stats joined.
+# The gradient leaves the captures returned, each with its layer's statistics arrays.
 _CAPTURED_GRADIENTS = _Marks()
-_JOINED_STATS = _Marks()
 
 
-def mark_captured_gradients(grads: Any) -> None:
-  """Records the leaves of a gradient tree that a capture returns, so that a plain step from the
-  rows (``gradient_stats=``) can tell them from arrays a transform made of them.
+def mark_captured_gradients(grads: Any, stats: CurvatureStats) -> None:
+  """Records the gradient leaves of each layer a capture returns with that layer's statistics,
+  so that a plain step from the rows (``gradient_stats=``) can tell the gradient those rows give
+  from any other array.
 
   The rows form rebuilds a layer's preconditioned gradient from the rows, ``(a A^-1)^T (g G^-1)
   / M``, without reading the gradient leaf: it is right only for the very gradient the rows
   give. A transform before the preconditioner (``optax.clip_by_global_norm``, a scale, weight
-  decay) makes new arrays, which :func:`is_captured_gradient` does not know, and such a layer
-  is then preconditioned from its gradient leaf. Identity is Python's, at trace time: it costs
-  nothing in the compiled step, and holds for leaves passed along unchanged (``optax.chain``,
-  ``optax.masked``, ``nnx.Optimizer``) within one trace (capture and update in one
-  ``jax.jit``).
+  decay, an accumulation) makes new arrays, and statistics of another batch are other arrays,
+  which :func:`is_captured_gradient` does not pair; such a layer is then preconditioned from
+  its gradient leaf. Identity is Python's, at trace time: it costs nothing in the compiled step,
+  and holds for arrays passed along unchanged (``optax.chain``, ``optax.masked``,
+  ``nnx.Optimizer``) within one trace (capture and update in one ``jax.jit``).
   """
-  _CAPTURED_GRADIENTS.add(grads)
+  by_layer: dict[str, list] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    by_layer.setdefault(layer_name(path_keys(path)[:-1]), []).append(leaf)
+  for name, layer in flatten_layer_stats(stats).items():
+    partners = tuple(jax.tree_util.tree_leaves(layer))
+    for leaf in by_layer.get(name, ()):
+      _CAPTURED_GRADIENTS.add(leaf, partners)
 
 
-def is_captured_gradient(leaf: Any) -> bool:
-  """Whether ``leaf`` is (the same object as) a live gradient leaf a capture returned
-  (:func:`mark_captured_gradients`)."""
-  return leaf in _CAPTURED_GRADIENTS
-
-
-def mark_joined_stats(stats: Any) -> None:
-  """Records the arrays of statistics joined from micro-batches (``concatenate_stats``): their
-  gradient is an accumulation (``optax.MultiSteps``' average, a new array), which the rows of
-  all the micro-batches together give, so a plain step takes such layers from their rows
-  without asking for the capture's gradient leaves."""
-  _JOINED_STATS.add(stats)
-
-
-def is_joined(layer_stats: Any) -> bool:
-  """Whether every array of one layer's statistics is one :func:`mark_joined_stats` recorded."""
-  leaves = jax.tree_util.tree_leaves(layer_stats)
-  return bool(leaves) and all(leaf in _JOINED_STATS for leaf in leaves)
+def is_captured_gradient(leaf: Any, layer_stats: Any) -> bool:
+  """Whether ``leaf`` is (the same object as) a live gradient leaf a capture returned together
+  with these statistics of its layer (:func:`mark_captured_gradients`)."""
+  return _CAPTURED_GRADIENTS.holds(leaf, tuple(jax.tree_util.tree_leaves(layer_stats)))
 
 
 def flatten_layer_stats(stats: CurvatureStats | Mapping[str, Any]) -> dict[str, LayerStats]:
