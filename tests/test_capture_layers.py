@@ -339,3 +339,37 @@ def test_bare_parameters_are_named_in_the_reason():
   assert stats.unhandled == (
       "(root): module kind not supported (parameters 'cls', 'pos' pass through "
       "unpreconditioned; thor_optax.register_layer_kind can take it)",)
+
+
+def test_integer_inputs_are_recorded_as_flax_casts_them():
+  """uint8 images into ``nn.Conv`` and int features into ``nn.Dense``: Flax casts them to float
+  before the product, and so are they recorded (their integer dtype failed every step given
+  statistics); a check step and a plain step from the rows then run, the latter equal to the
+  step from the gradient."""
+
+  class IntNet(nn.Module):
+    @nn.compact
+    def __call__(self, images, counts):
+      h = nn.Conv(3, (2, 2), param_dtype=F64)(images).mean(axis=(1, 2))
+      return nn.Dense(3, param_dtype=F64)(h) + nn.Dense(3, param_dtype=F64)(counts)
+
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.integers(0, 255, (4, 3, 3, 1)), jnp.uint8)
+  counts = jnp.asarray(rng.integers(0, 5, (4, 2)), jnp.int32)
+  model = IntNet()
+  params = model.init(jax.random.PRNGKey(0), images, counts)["params"]
+  capture = value_and_grad_with_stats(model, softmax_ce)
+  y = jnp.arange(4) % 3
+  tx = thor_optax.scale_by_thor(1e-2, block_size=4)
+
+  def step(params, state, stats_as):
+    (_, grads), stats = capture(params, images, y, counts=counts)
+    assert {stats.layers[k].inputs.dtype for k in stats.layers} == {jnp.dtype(jnp.float64)}
+    kw = {stats_as: stats} if stats_as else {}
+    return tx.update(grads, state, params, **kw)
+
+  step = jax.jit(step, static_argnums=2)
+  _, state = step(params, tx.init(params), "curvature_stats")
+  rows, _ = step(params, state, "gradient_stats")
+  block, _ = step(params, state, None)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), rows, block)

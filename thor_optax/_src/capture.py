@@ -379,6 +379,11 @@ def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
   exact = []
   for path, c in captured.items():
     kind = c["kind"]
+    if not kind.integer_inputs:  # uint8 images, int features: cast as Flax casts them
+      like = jnp.result_type(jax.tree_util.tree_leaves(cts[path])[0])
+      layer_inputs = {**layer_inputs, path: jax.tree_util.tree_map(
+          lambda x, like=like: x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(like),
+          layer_inputs[path])}
     if c["steps"]:  # shared over a loop's iterations: the channels' sums
       layers = _set_nested(layers, path, step_sharing.stats(
           kind, c["meta"], layer_inputs[path], cts[path].cotangents, num_terms))

@@ -254,6 +254,9 @@ class LayerKind(abc.ABC):
       :meth:`cotangent_rows`, row for row, when the statistics are an empirical Fisher's with
       positions not reduced (dense, ``DenseGeneral``, einsum): a plain step may then
       precondition the layer in sample space (``sample_space.py``).
+    integer_inputs: whether the recorded input is integer by nature (an embedding's ids); for
+      the other kinds an integer or boolean input (``uint8`` images) is recorded cast to the
+      cotangents' float dtype, as Flax casts it before the product.
   """
 
   name: str = ""
@@ -268,6 +271,7 @@ class LayerKind(abc.ABC):
   shares_weights: bool = False
   reduces_steps: bool = False
   gradient_from_rows: bool = False
+  integer_inputs: bool = False
 
   def __repr__(self) -> str:
     return f"<layer kind {self.name!r}>"

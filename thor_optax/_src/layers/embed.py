@@ -102,6 +102,7 @@ class Embed(base.LayerKind):
   nnx_modules = (nnx.Embed,)
   methods = ("__call__", "attend")
   weight = "embedding"
+  integer_inputs = True
   shares_weights = True
 
   def make_shared_stats(self, methods, inputs, cotangents, **meta) -> EmbedStats:
