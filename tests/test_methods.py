@@ -90,6 +90,26 @@ def test_eigh_damps_the_kronecker_product_exactly(wide, block_size):
   jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-12), again, updates)
 
 
+@pytest.mark.parametrize("block_size", [None, 64], ids=["whole", "padded"])
+def test_eigh_floor_is_relative_to_the_factors_own_eigenvalues(wide, block_size):
+  """``min_relative_damping``: each factor's eigenvalues floored at ``rho`` times the mean of
+  its own ``d`` eigenvalues, whatever the block's padding (a 64-block padded the mean down by
+  ``d / 64`` before, and the update moved by up to 60%)."""
+  params, grads, stats = wide
+  rho = 0.5
+  tx = thor_optax.scale_by_kfac(LAM, ema_decay=None, block_size=block_size,
+                                inverse_method="eigh", min_relative_damping=rho)
+  updates, _ = _check(tx, params, grads, stats)
+  for name in ("Dense_0", "Dense_1"):
+    A, G = reference_factors(stats.layers[name], "bias" in params[name])
+    (wa, qa), (wg, qg) = np.linalg.eigh(A), np.linalg.eigh(G)
+    wa, wg = np.maximum(wa, rho * wa.mean()), np.maximum(wg, rho * wg.mean())
+    grad = stacked(grads[name])
+    want = qa @ ((qa.T @ grad @ qg) / (wa[:, None] * wg[None, :] + LAM)) @ qg.T
+    for leaf, value in unstack(want, params[name]).items():
+      np.testing.assert_allclose(updates[name][leaf], value, rtol=RTOL, atol=1e-12)
+
+
 def _exact_power(A, G, grad, lam, power):
   """``(A (x) G + lam I)^-power vec(dW)`` from a dense eigendecomposition."""
   w, q = np.linalg.eigh(np.kron(A, G) + lam * np.eye(A.shape[0] * G.shape[0]))

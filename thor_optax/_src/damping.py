@@ -40,7 +40,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -169,7 +169,8 @@ def collapsed(traces: jax.Array, trace_ref: jax.Array, damping: jax.Array,
   return (trace_ref > 0) & (traces < COLLAPSE_RATIO * scale * trace_ref)
 
 
-def floored_eigenvalues(eigenvalues: jax.Array, min_relative_damping: Any) -> jax.Array:
+def floored_eigenvalues(eigenvalues: jax.Array, min_relative_damping: Any,
+                        num_real: Optional[int] = None) -> jax.Array:
   """A factor's eigenvalues, each at least ``rho`` times their mean: the floor for eigh, whose
   damping ``lambda`` acts on the products ``eig_A eig_G`` (KAISA's exact damping). Flooring each
   factor bounds every direction, also those where one factor's eigenvalue is large and the
@@ -178,8 +179,12 @@ def floored_eigenvalues(eigenvalues: jax.Array, min_relative_damping: Any) -> ja
   Args:
     eigenvalues: eigenvalues of a factor's blocks (any shape).
     min_relative_damping: ``rho >= 0``.
+    num_real: how many of them are the factor's own, ``d``; the others are a padded block's
+      padding, whose eigenvalues the eigh refresh stores as 0, left out of the mean so that the
+      floor does not depend on the block size. ``None``: all.
   """
-  floor = min_relative_damping * jnp.mean(eigenvalues)
+  count = eigenvalues.size if num_real is None else min(num_real, eigenvalues.size)
+  floor = min_relative_damping * jnp.sum(eigenvalues) / count
   return jnp.maximum(eigenvalues, jnp.where(jnp.isfinite(floor), floor, 0.0))
 
 

@@ -114,8 +114,8 @@ class Eigh(base.InverseMethod):
       y = _pad_to(x, q_a.shape[0] * q_a.shape[1], padded_g)
       y = blocks.left_multiply(jnp.swapaxes(q_a, -1, -2), y)
     y = blocks.right_multiply(y, q_g)
-    d_a = damping_lib.floored_eigenvalues(d_a, min_relative_damping)
-    d_g = damping_lib.floored_eigenvalues(d_g, min_relative_damping)
+    d_a = damping_lib.floored_eigenvalues(d_a, min_relative_damping, x.shape[0])
+    d_g = damping_lib.floored_eigenvalues(d_g, min_relative_damping, x.shape[1])
     damped = d_a[:, None] * d_g[None, :] + damping
     y = y / damped if self.inverse_power == 1.0 else y * damped ** -self.inverse_power
     y = blocks.right_multiply(y, jnp.swapaxes(q_g, -1, -2))
