@@ -367,7 +367,8 @@ def _masked_modules(updates: Any) -> frozenset[str]:
 def _nan_unless(ok: jax.Array, updates: Any) -> Any:
   """``updates`` if ``ok``, else NaN updates, so that the aliases' non-finite guard skips and
   counts the step."""
-  return jax.tree.map(lambda u: jnp.where(ok, u, jnp.full_like(u, jnp.nan)), updates)
+  return jax.tree.map(lambda u: jnp.where(ok, u, jnp.full_like(u, jnp.nan))
+                      if jnp.issubdtype(jnp.result_type(u), jnp.inexact) else u, updates)
 
 
 def _reject_step(ok: jax.Array, updates: Any, state: KroneckerState,

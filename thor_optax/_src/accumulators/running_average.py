@@ -15,6 +15,7 @@ References:
 from __future__ import annotations
 
 from math import inf
+import numbers
 from typing import Callable, NamedTuple, Optional, Union
 
 import jax
@@ -78,7 +79,8 @@ class RunningAverage(base.FactorAccumulator):
     if not 0.0 <= decay < 1.0:
       raise ValueError(f"ema_decay must be in [0, 1) or None, got {decay}")
     if isinstance(inverse_period, bool) or not (
-        callable(inverse_period) or (isinstance(inverse_period, int) and inverse_period >= 1)):
+        callable(inverse_period)
+        or (isinstance(inverse_period, numbers.Integral) and inverse_period >= 1)):
       raise ValueError(f"inverse_period must be an int >= 1 or a schedule of the step, got "
                        f"{inverse_period!r}. " + static)
     if rows_ratio is not None and (not isinstance(rows_ratio, (int, float))

@@ -406,8 +406,8 @@ class LayerKind(abc.ABC):
     """Raises ``ValueError`` naming the layer if ``stats`` do not fit its weight."""
     if not isinstance(stats, self.stats_type):
       raise ValueError(
-          f"curvature_stats for layer {spec.name!r} ({spec.kind.weight} shape "
-          f"{spec.kernel_shape}): got {type(stats).__name__}, expected "
+          f"the statistics (curvature_stats or gradient_stats) for layer {spec.name!r} "
+          f"({spec.kind.weight} shape {spec.kernel_shape}): got {type(stats).__name__}, expected "
           f"{self.stats_type.__name__}: the optimizer laid the layer out as a {self.name!r} "
           f"layer{f' stack {spec.stack}' if spec.stack else ''} from its parameter shapes "
           "alone, which do not say how the model applies it (a kernel without bias of "

@@ -149,8 +149,9 @@ class ConvSampling:
       s = self.num_positions
       if (not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 1):
         raise ValueError(
-            "ConvSampling: mode 'spatial_subsample' needs num_positions, a positive Python int "
-            f"(positions kept per example; it fixes array shapes), got {s!r}.")
+            "conv_statistics='spatial_subsample' needs spatial_samples (ConvSampling's "
+            "num_positions), a positive Python int (positions kept per example; it fixes array "
+            f"shapes, so under optax.inject_hyperparams name it in static_args), got {s!r}.")
       object.__setattr__(self, "num_positions", int(s))
 
 

@@ -97,8 +97,8 @@ def _check_float(spec: base.LayerSpec, field: str, x: jax.Array) -> None:
 
 def where(spec: base.LayerSpec) -> str:
   """The start of an error message about a layer's statistics."""
-  return (f"curvature_stats for layer {spec.name!r} ({spec.kind.weight} shape "
-          f"{spec.kernel_shape})")
+  return (f"the statistics (curvature_stats or gradient_stats) for layer {spec.name!r} "
+          f"({spec.kind.weight} shape {spec.kernel_shape})")
 
 
 class Dense(base.LayerKind):
