@@ -775,13 +775,18 @@ def _used_inputs(jaxpr: Any) -> list[bool]:
     return [False] * len(jaxpr.invars)
 
 
-def _zeroed_calls(next_fun, args, kwargs, context):
-  """A linen interceptor: a registered kind's method returns zeros of its output's shape."""
-  out = next_fun(*args, **kwargs)
-  kind = layers_lib.kind_of_module(context.module)
-  if kind is None or context.method_name not in kind.methods:
+def zeroed_output(module: Any, method: str, out: Any) -> Any:
+  """``out`` of a call, or zeros of its shape when it is a registered kind's method (the forward
+  pass of :func:`used_outside_their_calls`; linen and NNX interceptors)."""
+  kind = layers_lib.kind_of_module(module)
+  if kind is None or method not in kind.methods:
     return out
   return jax.tree_util.tree_map(jnp.zeros_like, out)
+
+
+def _zeroed_calls(next_fun, args, kwargs, context):
+  """A linen interceptor applying :func:`zeroed_output`."""
+  return zeroed_output(context.module, context.method_name, next_fun(*args, **kwargs))
 
 
 def _inputs_feeding_outputs(jaxpr: Any) -> set:

@@ -472,11 +472,7 @@ def _zeroed_forward(graphdef, rest, inputs, call_kwargs, params):
   shape (``capture.used_outside_their_calls``)."""
 
   def zeroed(original, mod, method, args, kwargs):
-    out = original(mod, *args, **kwargs)
-    kind = layers_lib.kind_of_module(mod)
-    if kind is None or method not in kind.methods:
-      return out
-    return jax.tree_util.tree_map(jnp.zeros_like, out)
+    return capture_lib.zeroed_output(mod, method, original(mod, *args, **kwargs))
 
   copy = nnx.merge(graphdef, params, rest, copy=True)
   with _intercept(zeroed):
