@@ -385,9 +385,15 @@ def test_state_holds_only_what_the_pieces_need(setup, make, pieces, inverse_fiel
 
 
 def test_pieces_that_do_not_fit_are_rejected_naming_both():
-  with pytest.raises(ValueError, match=r"inverse_method='woodbury' needs rows.*stored factors"):
+  with pytest.raises(ValueError, match=r"inverse_method='woodbury' needs rows.*stored factors"
+                     ) as woodbury:
     thor_optax.scale_by_kfac(0.1, inverse_method="woodbury", ema_decay=0.9)
-  with pytest.raises(ValueError, match=r"pi_damping=True needs factored damping.*'eigh'"):
+  with pytest.raises(ValueError, match=r"pi_damping=True needs factored damping.*'eigh'") as pi:
     thor_optax.scale_by_thor(0.1, inverse_method="eigh", pi_damping=True)
+  # Only the conflicting piece is named (not the refresh policy or the damping, which fit), and
+  # the message says which options to change.
+  assert "EveryCheck" not in str(woodbury.value) and "pi_damping" not in str(woodbury.value)
+  assert "leave ema_decay=None" in str(woodbury.value)
+  assert "TraceRule" not in str(pi.value) and "set pi_damping=False" in str(pi.value)
   with pytest.raises(ValueError, match=r"needs woodbury_rows"):
     thor_optax.scale_by_thor(0.1, inverse_method="low_rank")

@@ -165,6 +165,19 @@ class KroneckerState(NamedTuple):
   factor_dims: Any = FactorDims(())
 
 
+# What to choose when a piece needs what the others do not provide (``Curvature``'s check).
+_PIECE_ADVICE = {
+    "rows": ("Woodbury and low-rank inverses invert the current batch's rows: leave ema_decay="
+             "None, inverse_period=1 and adaptive_refresh=None, or choose inverse_method="
+             "'cholesky' (or 'auto', which picks Woodbury only where rows are kept)."),
+    "stored factors": ("adaptive_refresh compares each factor with its stored running average: "
+                       "set ema_decay (e.g. 0.95), or leave adaptive_refresh=None."),
+    "factored damping": ("pi_damping splits the damping between A and G, which inverse_method="
+                         "'eigh' does not (it damps the Kronecker product exactly, KAISA): set "
+                         "pi_damping=False, or choose inverse_method='cholesky'."),
+}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Curvature:
   """The pieces of a Kronecker preconditioner, validated on construction.
@@ -239,14 +252,14 @@ class Curvature:
     for piece in pieces:
       others = [p for p in pieces if p is not piece]
       missing = piece.requires - frozenset().union(*(p.provides for p in others))
-      if missing:
+      for need in sorted(missing):
+        slot = {"factored damping": self.method}.get(need, self.accumulator)
+        culprits = [slot] if slot is not piece else others
         raise ValueError(
-            f"{piece.describe()} needs {' and '.join(sorted(missing))}, which "
-            f"{' / '.join(p.describe() for p in others)} do not provide. Choose pieces that fit: "
-            "Woodbury and low-rank forms need the current batch's rows (no ema_decay, "
-            "inverse_period or adaptive_refresh; or inverse_method='auto' or 'cholesky'); "
-            "pi_damping needs factor-wise damping (not inverse_method='eigh'); adaptive_refresh "
-            "needs stored factors.")
+            f"{piece.describe()} needs {need}, which "
+            f"{' / '.join(p.describe() for p in culprits)} "
+            "cannot provide. "
+            + _PIECE_ADVICE.get(need, ""))
 
   def layout(self, tree: Any) -> blocks.BlockLayout:
     """The static layout of a parameter or gradient tree."""
