@@ -151,3 +151,23 @@ def test_weight_sharing_is_exact_for_deep_linear_networks(weight_sharing, pooled
     np.testing.assert_allclose(np.kron(a, g), hessian, rtol=0, atol=1e-13)
     want = reference.kron_update(a, g, np.asarray(grads[name]["kernel"]), s, s)
     np.testing.assert_allclose(updates[name]["kernel"], want, rtol=0, atol=1e-12)
+
+
+def test_summed_loss_has_the_mean_losss_factors_and_m_times_its_step():
+  """``loss_reduction='sum'``: the same factors as the mean of the same terms (the capture keeps
+  per-term cotangents), and a gradient ``M`` times larger, so the step is ``M`` times the mean
+  loss's, as with SGD (README, Conventions). A per-position loss: ``M = N T`` terms."""
+  x = jnp.asarray(randn(2, (N, T, D)))
+  y = jnp.asarray(np.random.default_rng(3).integers(0, K, (N, T)))
+  params = reference.init_params(Seq(), x)
+  tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None)
+  summed = lambda logits, labels: softmax_ce(logits, labels) * (N * T)
+  mean_step, mean_stats = _update(Seq(), softmax_ce, params, x, y, tx)
+  sum_step, sum_stats = _update(Seq(), summed, params, x, y, tx, loss_reduction="sum")
+  state = lambda s: tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params,
+                              curvature_stats=s)[1]
+  for a, b in zip(jax.tree.leaves(state(mean_stats).blocks),
+                  jax.tree.leaves(state(sum_stats).blocks)):
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+  for a, b in zip(jax.tree.leaves(mean_step), jax.tree.leaves(sum_step)):
+    np.testing.assert_allclose(b, N * T * a, rtol=1e-10, atol=1e-14)

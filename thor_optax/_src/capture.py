@@ -121,7 +121,8 @@ def output_cotangents(outputs: jax.Array, dloss: jax.Array, num_terms: int, fish
   Args:
     outputs: model outputs, ``(N, ..., K)``.
     dloss: gradient of the (mean) training loss w.r.t. ``outputs``.
-    num_terms: number of terms the loss averages (``dloss * num_terms`` is per example).
+    num_terms: the factor that makes ``dloss`` one term's (``M`` for a mean loss of ``M``
+      terms, 1 for a summed loss); the empirical type only.
     fisher_type: ``'empirical'``, ``'sampled'`` or ``'exact'``.
     likelihood: ``'softmax_cross_entropy'`` or ``'squared_error'`` (``0.5 ||y - f||^2`` per
       example) for the sampled and exact types.
@@ -164,15 +165,16 @@ class FisherOptions:
     likelihood: ``'softmax_cross_entropy'``, ``'squared_error'`` or ``None`` (empirical only).
     num_samples: targets drawn per example for ``'sampled'`` (``>= 1``).
     loss_reduction: ``'mean'`` or ``'sum'``.
-    num_loss_terms: the number of terms a mean loss averages (``N`` examples, or ``N * T``
-      positions), or ``None`` to read it from the output's leading axes (:func:`loss_terms`).
+    num_loss_terms: the number of terms the loss averages or sums (``N`` examples, or
+      ``N * T`` positions), or ``None`` to read it from the output's leading axes
+      (:func:`loss_terms`).
     weight_sharing: how layers shared over positions fold them, ``'auto'``, ``'expand'`` or
       ``'reduce'`` (``LayerKind.per_loss_term``).
 
   Raises:
     ValueError: on an unknown ``fisher_type``, ``likelihood`` or ``loss_reduction``, a sampled
       or exact Fisher without a ``likelihood``, ``num_samples < 1``, or a ``num_loss_terms``
-      that is not a positive int (or is given with ``loss_reduction='sum'``).
+      that is not a positive int.
   """
 
   fisher_type: str = "empirical"
@@ -200,10 +202,7 @@ class FisherOptions:
     n = self.num_loss_terms
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
       raise ValueError(f"num_loss_terms must be a positive Python int (the number of terms the "
-                       f"mean loss averages) or None, got {n!r}.")
-    if n is not None and self.loss_reduction == "sum":
-      raise ValueError("num_loss_terms is for loss_reduction='mean'; a summed loss has per-term "
-                       "cotangents already.")
+                       f"loss averages or sums) or None, got {n!r}.")
 
   def check_rng(self, rng: Optional[jax.Array]) -> None:
     """Raises ``ValueError`` if the Fisher type draws targets and ``rng`` is ``None``."""
@@ -368,11 +367,13 @@ def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
                      unhandled: Mapping[tuple[Any, ...], str],
                      layer_inputs: Mapping[tuple[Any, ...], jax.Array],
                      cts: Mapping[tuple[Any, ...], jax.Array],
-                     num_terms: int, weight_sharing: str,
+                     num_terms: int, gradient_divisor: int, weight_sharing: str,
                      empirical: bool) -> stats_lib.CurvatureStats:
   """Each captured layer's statistics, built by its kind from the recorded inputs (``x_hat``
-  for normalization layers) and the per-example output cotangents; a stack of layers
-  (``stack=(L,)``) gets its kind's statistics with a leading ``L`` axis on every field.
+  for normalization layers) and the per-term output cotangents, folded for ``num_terms`` loss
+  terms; a stack of layers (``stack=(L,)``) gets its kind's statistics with a leading ``L``
+  axis on every field. ``gradient_divisor``: ``M`` for a mean loss, 1 for a summed one (a
+  layer's gradient is ``a^T g / gradient_divisor``).
   ``empirical``: the cotangents are the training loss's own (one sample), so layers whose
   rows give their gradient are listed in ``exact_rows``."""
   layers: Any = {}
@@ -406,7 +407,7 @@ def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
   notes = tuple(f"{path_name(p)}: {why}"
                 for p, why in sorted(unhandled.items(), key=lambda kv: path_name(kv[0])))
   return stats_lib.CurvatureStats(layers=layers, unhandled=notes, exact_rows=tuple(sorted(exact)),
-                                  num_loss_terms=num_terms)
+                                  num_loss_terms=gradient_divisor)
 
 
 def _same_sizes(raw: Any, folded: Any) -> bool:
@@ -416,7 +417,11 @@ def _same_sizes(raw: Any, folded: Any) -> bool:
 
 
 def loss_terms(outputs: Any, options: "FisherOptions") -> int:
-  """The number of terms a mean loss averages (1 for a summed loss).
+  """The number of terms ``M`` the loss averages or sums.
+
+  A summed loss's cotangents are per term already, a mean loss's are ``1/M`` of them; either
+  way ``M`` decides how layers shared over positions fold them (``LayerKind.per_loss_term``),
+  so a summed loss gets the factors of the mean of the same terms.
 
   Args:
     outputs: the model's outputs (any pytree).
@@ -427,12 +432,10 @@ def loss_terms(outputs: Any, options: "FisherOptions") -> int:
     leading axes (``N`` examples, or ``N * T`` positions).
 
   Raises:
-    ValueError: for a mean loss without ``num_loss_terms`` whose outputs are not one array of
-      rank >= 2 (a tuple, dict or dataclass of outputs, or a rank-1 array such as
-      ``Dense(1)(x)[..., 0]``): their number of loss terms cannot be read from shapes.
+    ValueError: without ``num_loss_terms``, for outputs that are not one array of rank >= 2 (a
+      tuple, dict or dataclass of outputs, or a rank-1 array such as ``Dense(1)(x)[..., 0]``):
+      their number of loss terms cannot be read from shapes.
   """
-  if options.loss_reduction == "sum":
-    return 1
   if options.num_loss_terms is not None:
     return options.num_loss_terms
   leaves = jax.tree_util.tree_leaves(outputs)
@@ -442,9 +445,9 @@ def loss_terms(outputs: Any, options: "FisherOptions") -> int:
           and leaves[0] is outputs else f"a {type(outputs).__name__} of {len(leaves)} arrays")
   raise ValueError(
       f"thor_optax value_and_grad_with_stats: the model returns {what}, so the number of terms "
-      "the mean loss averages cannot be read from the output's leading axes. Pass "
-      "num_loss_terms=<int> (e.g. the batch size N for a loss averaged over examples, N * T "
-      "for one averaged over all positions), or loss_reduction='sum' for a summed loss.")
+      f"the {options.loss_reduction} loss {'sums' if options.loss_reduction == 'sum' else 'averages'} "
+      "cannot be read from the output's leading axes. Pass num_loss_terms=<int> (e.g. the "
+      "batch size N for a loss over examples, N * T for one over all positions).")
 
 
 def vjp_with_stats(
@@ -501,8 +504,10 @@ def vjp_with_stats(
   layer_inputs = {**layer_inputs, **{path: layer_cts[path] for path, c in captured.items()
                                      if c["steps"]}}
   num_terms = loss_terms(outputs, options)
+  # A mean loss's cotangents are 1/M of each term's; a summed loss's are the terms' own.
+  per_term = num_terms if options.loss_reduction == "mean" else 1
   if options.fisher_type == "empirical":
-    cts = jax.tree.map(lambda c: (c * num_terms)[None], layer_cts)
+    cts = jax.tree.map(lambda c: (c * per_term)[None], layer_cts)
   else:
     if not isinstance(outputs, jax.Array):
       raise ValueError(
@@ -510,10 +515,10 @@ def vjp_with_stats(
           "targets from the model's predictive distribution, so the model must return one "
           f"array of logits; it returns a {type(outputs).__name__}. Use "
           "fisher_type='empirical', or capture a wrapper module that returns the logits.")
-    out_cts = output_cotangents(outputs, dloss, num_terms, options.fisher_type,
+    out_cts = output_cotangents(outputs, dloss, per_term, options.fisher_type,
                                 options.likelihood, options.num_samples, rng)
     cts = jax.vmap(lambda ct: vjp_fn(ct)[1])(out_cts)
-  stats = _curvature_stats(captured, unhandled, layer_inputs, cts, num_terms,
+  stats = _curvature_stats(captured, unhandled, layer_inputs, cts, num_terms, per_term,
                            options.weight_sharing, options.fisher_type == "empirical")
   stats_lib.mark_captured_gradients(grads, stats)  # what a plain step from the rows stands for
   return loss, grads, stats, aux
@@ -911,8 +916,9 @@ def value_and_grad_with_stats(
       distribution for the sampled and exact Fisher.
     num_samples: targets drawn per example for ``'sampled'``.
     loss_reduction: ``'mean'`` if ``loss_fn`` averages over loss terms (examples, or positions),
-      ``'sum'`` if it sums them.
-    num_loss_terms: how many terms a mean loss averages: ``N`` for a loss averaged over the
+      ``'sum'`` if it sums them. The factors are those of the mean of the terms either way, so
+      a summed loss's step is ``M`` times a mean loss's, as with SGD (README, Conventions).
+    num_loss_terms: how many terms the loss averages (or sums): ``N`` for a loss over the
       examples (a classifier, a per-sequence loss such as CTC), ``N * T`` for one averaged over
       every position (a language model). ``None`` (default) reads it from the output's leading
       axes, which needs the model to return one array of rank >= 2 (``(N, K)`` -> ``N``,

@@ -388,8 +388,10 @@ def value_and_grad_with_stats(
       ``'softmax_cross_entropy'`` or ``'squared_error'`` (unit-variance Gaussian).
     num_samples: ``S`` of ``'sampled'``.
     loss_reduction: how ``loss_fn`` reduces over its terms: ``'mean'`` (the cotangents are
-      rescaled to per-term ones) or ``'sum'``.
-    num_loss_terms: how many terms a mean loss averages (``N`` examples, ``N * T`` positions);
+      rescaled to per-term ones) or ``'sum'``; the factors are the mean's either way, so a
+      summed loss's step is ``M`` times a mean loss's, as with SGD.
+    num_loss_terms: how many terms the loss averages or sums (``N`` examples, ``N * T``
+      positions);
       ``None`` reads it from the output's leading axes, which needs one output array of rank
       >= 2 (a model returning a tuple, dict or dataclass, or a rank-1 array, must state it).
     weight_sharing: ``'auto'`` (default), ``'expand'`` or ``'reduce'``: how a layer applied at
