@@ -171,3 +171,101 @@ def test_summed_loss_has_the_mean_losss_factors_and_m_times_its_step():
     np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
   for a, b in zip(jax.tree.leaves(mean_step), jax.tree.leaves(sum_step)):
     np.testing.assert_allclose(b, N * T * a, rtol=1e-10, atol=1e-14)
+
+
+def _expand_reference(rows, cotangents, num_terms, grad):
+  """K-FAC-expand's update of the first (dense, biased) layer by hand: ``A = (1/M) sum`` over
+  every row with a ones column, ``G = (1/R) sum g g^T`` over the ``R`` rows' per-term
+  cotangents ``g = M dL/dy``, damping ``sqrt(lambda)`` on each."""
+  a = np.concatenate([rows, np.ones((rows.shape[0], 1))], axis=1)
+  g = num_terms * cotangents
+  return reference.kron_update(a.T @ a / num_terms, g.T @ g / rows.shape[0], grad,
+                               np.sqrt(DAMPING), np.sqrt(DAMPING))
+
+
+def _first_layer_update(model, loss_fn, params, x, y, name, **capture_kwargs):
+  tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None)
+  updates, _ = _update(model, loss_fn, params, x, y, tx, **capture_kwargs)
+  layer = updates[name]
+  return np.concatenate([np.asarray(layer["kernel"]).reshape(-1, layer["bias"].shape[-1]),
+                         np.asarray(layer["bias"]).reshape(1, -1)])
+
+
+def _grad_matrix(grads):
+  return np.concatenate([np.asarray(grads["kernel"]), np.asarray(grads["bias"])[None]])
+
+
+def test_rows_that_are_not_the_loss_terms_divide_a_by_the_terms():
+  """``A = (1/M) sum a a^T`` over all rows also when the rows do not regroup to the ``M`` loss
+  terms (before: ``1/N``, the leading axis, silently): a next-token loss that drops the last
+  position (``M = N (T - 1)`` of ``N T`` rows), a graph network's node rows under a per-graph
+  loss (7 rows, 3 terms), and each member of an ``nn.vmap`` ensemble (``N`` rows of ``E N``
+  terms). References from the rows and per-term cotangents computed by hand."""
+  x = jnp.asarray(randn(5, (N, T, D)))
+  y = jnp.asarray(np.random.default_rng(6).integers(0, K, (N, T - 1)))
+  params = reference.init_params(Seq(), x)
+  m = N * (T - 1)
+  shifted = lambda logits, labels: softmax_ce(logits[:, :-1], labels)
+  got = _first_layer_update(Seq(), shifted, params, x, y, "hidden", num_loss_terms=m)
+
+  def loss_of_hidden(p, eps):  # the model by hand, ``eps`` added to the hidden layer's output
+    h = jnp.tanh(x @ p["hidden"]["kernel"] + p["hidden"]["bias"] + eps)
+    return shifted(h @ p["out"]["kernel"] + p["out"]["bias"], y)
+
+  zeros = jnp.zeros((N, T, 7))
+  ct = np.asarray(jax.grad(loss_of_hidden, argnums=1)(params, zeros)).reshape(-1, 7)
+  grad = _grad_matrix(jax.grad(loss_of_hidden)(params, zeros)["hidden"])
+  want = _expand_reference(np.asarray(x).reshape(-1, D), ct, m, grad)
+  np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+  segments, graphs = np.array([0, 0, 1, 1, 1, 2, 2]), 3
+
+  class Graph(nn.Module):
+    @nn.compact
+    def __call__(self, nodes):
+      h = jnp.tanh(nn.Dense(7, name="node")(nodes))
+      return nn.Dense(K, name="head")(jax.ops.segment_sum(h, segments, num_segments=graphs))
+
+  nodes = jnp.asarray(randn(7, (7, D)))
+  labels = jnp.arange(graphs) % K
+  params = reference.init_params(Graph(), nodes)
+  got = _first_layer_update(Graph(), softmax_ce, params, nodes, labels, "node")
+
+  def loss_of_node(p, eps):
+    h = jnp.tanh(nodes @ p["node"]["kernel"] + p["node"]["bias"] + eps)
+    pooled = jax.ops.segment_sum(h, segments, num_segments=graphs)
+    return softmax_ce(pooled @ p["head"]["kernel"] + p["head"]["bias"], labels)
+
+  zeros = jnp.zeros((7, 7))
+  ct = np.asarray(jax.grad(loss_of_node, argnums=1)(params, zeros))
+  grad = _grad_matrix(jax.grad(loss_of_node)(params, zeros)["node"])
+  np.testing.assert_allclose(got, _expand_reference(np.asarray(nodes), ct, graphs, grad),
+                             rtol=1e-9, atol=1e-12)
+
+  members = 3
+  ensemble = nn.vmap(nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True},
+                     in_axes=None, out_axes=0, axis_size=members)
+  model = ensemble(K, name="member")
+  x = jnp.asarray(randn(8, (N, D)))
+  labels = jnp.broadcast_to(jnp.arange(N) % K, (members, N))
+  params = {"member": reference.init_params(model, x)}
+
+  class Wrapped(nn.Module):
+    @nn.compact
+    def __call__(self, inputs):
+      return ensemble(K, name="member")(inputs)
+
+  tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None)
+  updates, _ = _update(Wrapped(), softmax_ce, params, x, labels, tx)
+  loss_of = lambda p: softmax_ce(jnp.einsum("nd,edk->enk", x, p["kernel"])
+                                 + p["bias"][:, None], labels)
+  grads = jax.grad(loss_of)(params["member"])
+  ct = np.asarray(jax.grad(lambda logits: softmax_ce(logits, labels))(
+      jnp.einsum("nd,edk->enk", x, params["member"]["kernel"])
+      + params["member"]["bias"][:, None]))
+  for e in range(members):
+    got = np.concatenate([np.asarray(updates["member"]["kernel"][e]),
+                          np.asarray(updates["member"]["bias"][e])[None]])
+    grad = np.concatenate([np.asarray(grads["kernel"][e]), np.asarray(grads["bias"][e])[None]])
+    want = _expand_reference(np.asarray(x), ct[e], members * N, grad)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)

@@ -38,7 +38,7 @@ def _join_layer(name: str, parts: list) -> stats_lib.LayerStats:
                      f"{sorted({type(p).__name__ for p in parts})} across micro-batches.")
   axes = layers_lib.kind_of_stats(parts[0]).example_axes  # the layer kind's example axes
   static = {f.name: getattr(parts[0], f.name) for f in dataclasses.fields(kind)
-            if f.name not in axes}
+            if f.name not in axes and f.name != "num_terms"}
   for i, part in enumerate(parts[1:], start=1):
     other = {key: getattr(part, key) for key in static}
     if other != static:
@@ -57,6 +57,9 @@ def _join_layer(name: str, parts: list) -> stats_lib.LayerStats:
             f"expected {want} up to axis {axis} (the examples).")
   arrays = {key: jnp.concatenate([getattr(p, key) for p in parts], axis=axis)
             for key, axis in axes.items() if getattr(parts[0], key) is not None}
+  if any(getattr(p, "num_terms", None) for p in parts):  # loss terms other than the rows: add
+    key, axis = next(iter(axes.items()))
+    static["num_terms"] = sum(p.num_terms or getattr(p, key).shape[axis] for p in parts)
   return kind(**arrays, **static)
 
 

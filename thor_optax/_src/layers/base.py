@@ -570,12 +570,29 @@ def resolve_weight_sharing(weight_sharing: str, num_terms: int, num_examples: in
 
 
 def fold_positions(inputs: jax.Array, cotangents: jax.Array, num_terms: int, feature_axes: int,
-                   weight_sharing: str) -> tuple[jax.Array, jax.Array]:
+                   weight_sharing: str) -> tuple[jax.Array, jax.Array, Optional[int]]:
   """:func:`regroup_examples` or :func:`reduce_positions`, as ``weight_sharing`` resolves for
-  ``inputs`` ``(N, ...)`` (:func:`resolve_weight_sharing`)."""
+  ``inputs`` ``(N, ...)`` (:func:`resolve_weight_sharing`), and the divisor of ``A``
+  (:func:`terms_divisor`; ``None`` after a reduce, whose factors are scaled already)."""
   mode = resolve_weight_sharing(weight_sharing, num_terms, inputs.shape[0])
-  fold = regroup_examples if mode == "expand" else reduce_positions
-  return fold(inputs, cotangents, num_terms, feature_axes)
+  if mode == "reduce" and inputs.ndim - feature_axes > 1:
+    return reduce_positions(inputs, cotangents, num_terms, feature_axes) + (None,)
+  inputs, cotangents = regroup_examples(inputs, cotangents, num_terms, feature_axes)
+  return inputs, cotangents, terms_divisor(inputs.shape[0], num_terms)
+
+
+def terms_divisor(leading: int, num_terms: int) -> Optional[int]:
+  """The ``num_terms`` field of statistics whose leading axis has ``leading`` entries:
+  ``None`` when they are the ``M`` loss terms, else ``M``, so that ``A = (1/M) sum a a^T``
+  over all rows (K-FAC-expand) also when the rows do not regroup to ``M``: a graph network's
+  node rows under a per-graph loss, a language model whose loss drops the last position
+  (``M = N (T - 1)`` of ``N T`` rows), an ensemble member's ``N`` of the ``E N`` terms."""
+  return None if leading == num_terms else num_terms
+
+
+def a_divisor(stats: Any, leading: int) -> int:
+  """What ``A`` divides its row sums by: ``stats.num_terms`` when set, else ``leading``."""
+  return getattr(stats, "num_terms", None) or leading
 
 
 def reduce_positions(inputs: jax.Array, cotangents: jax.Array, num_terms: int,
@@ -605,8 +622,9 @@ def regroup_examples(inputs: jax.Array, cotangents: jax.Array, num_terms: int,
   ``inputs`` ``(N, P..., F...)`` (``feature_axes`` trailing feature axes) and cotangents
   ``(S, N, P..., d)`` become ``(M, N P / M, F...)`` and ``(S, M, N P / M, d)``, the rows in the
   same order; factors that sum over all rows and divide by the leading count then divide by
-  ``M``. Left as they are when ``M <= N`` (a per-example or summed loss) or when ``N P`` rows
-  do not split into ``M`` groups (a layer with fewer positions than the loss has terms).
+  ``M``. Left as they are when ``M <= N`` (a per-example loss) or when ``N P`` rows do not
+  split into ``M`` groups (a loss that drops the last position, a layer with fewer positions
+  than the loss has terms); the kinds then record ``M`` (:func:`terms_divisor`).
   """
   n = inputs.shape[0]
   rows = math.prod(inputs.shape[:inputs.ndim - feature_axes])

@@ -82,6 +82,9 @@ class ConvStats:
     input_dilation: one per spatial dimension (``lhs_dilation``); ``None``: ones.
     kernel_dilation: one per spatial dimension (``rhs_dilation``); ``None``: ones.
     feature_group_count: ``G``, the number of groups (``C_in`` for a depthwise convolution).
+    num_terms: the ``M`` loss terms ``A`` divides by (``'expand'``) when they are not the ``N``
+      examples (static): a loss per position (``M = N T``), an ensemble member's share of the
+      terms; ``None`` (default): ``N``.
   """
 
   inputs: jax.Array
@@ -95,6 +98,7 @@ class ConvStats:
   kernel_dilation: Optional[tuple[int, ...]] = dataclasses.field(
       default=None, metadata=dict(static=True))
   feature_group_count: int = dataclasses.field(default=1, metadata=dict(static=True))
+  num_terms: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 CONV_SAMPLING_MODES = ("expand", "reduce_sum", "spatial_subsample")
@@ -375,6 +379,14 @@ class Conv(base.LayerKind):
                       g_dim=kernel[-1] // groups,
                       in_axes=None if num_spatial == 2 else len(kernel) - 1, groups=groups)
 
+  def per_loss_term(self, stats, num_terms, weight_sharing):
+    """Unchanged, with ``num_terms`` set when the loss has other terms than the ``N`` examples
+    (``A = (1/M) sum`` of the expanded patches, as a dense layer's; the other
+    ``conv_statistics`` average over ``N``)."""
+    del weight_sharing
+    return dataclasses.replace(
+        stats, num_terms=base.terms_divisor(stats.inputs.shape[0], num_terms))
+
   def hint(self, stats: ConvStats) -> tuple:
     return (len(stats.kernel_size), int(stats.feature_group_count))
 
@@ -422,7 +434,7 @@ class Conv(base.LayerKind):
     return jnp.transpose(matrix.reshape(cin, kh, kw, cout), (1, 2, 0, 3))
 
   def input_rows(self, spec, stats, dtype, *, sampling=None, key=None) -> base.FactorRows:
-    """Rows of ``A``: ``'expand'`` ``(N T, d)`` and ``1 / N``; ``'reduce_sum'`` ``(N, d)``
+    """Rows of ``A``: ``'expand'`` ``(N T, d)`` and ``1 / N`` (``1 / M`` with ``num_terms``); ``'reduce_sum'`` ``(N, d)``
     (summed patches, bias entry ``T``) and ``1 / (N T)``; ``'spatial_subsample'`` ``(N s, d)``
     and ``T / (N s)``, with ``d = C_in prod(k...) (+1)`` (of one group, per group).
 
@@ -436,7 +448,7 @@ class Conv(base.LayerKind):
     if sampling.mode == "expand":
       rows = patches.reshape(-1, patches.shape[-1]).astype(dtype)
       rows = dense.with_ones(rows) if spec.has_bias else rows
-      return base.FactorRows(rows, jnp.asarray(1.0 / n, dtype))
+      return base.FactorRows(rows, jnp.asarray(1.0 / base.a_divisor(stats, n), dtype))
     t = _conv_positions(spec, stats, patches.shape[1:-1])
     x = patches.reshape(n, t, patches.shape[-1]).astype(dtype)
     if sampling.mode == "reduce_sum":

@@ -43,11 +43,16 @@ class DenseStats:
       ``(S, N, ..., d_out)``, where ``S`` is the number of cotangent samples (1 for the
       empirical Fisher). ``G`` sums over ``S`` and averages over examples and positions;
       ``A`` divides by ``N``, the leading axis, which the capture makes the number of loss
-      terms (a per-position loss: ``(N T, 1, d)``).
+      terms (a per-position loss: ``(N T, 1, d)``), or by ``num_terms``.
+    num_terms: the ``M`` loss terms ``A`` divides by when the leading axis is not them (static):
+      rows that do not regroup to ``M`` (a graph network's nodes under a per-graph loss, a
+      language model whose loss drops the last position, an ensemble member's share of the
+      terms); ``None`` (default): the leading axis.
   """
 
   inputs: jax.Array
   cotangents: jax.Array
+  num_terms: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def join_positions(arrays: list[jax.Array], example_axis: int) -> jax.Array:
@@ -149,16 +154,16 @@ class Dense(base.LayerKind):
     check_inputs(spec, stats, spec.kernel_shape[0])
 
   def per_loss_term(self, stats, num_terms, weight_sharing):
-    inputs, cotangents = base.fold_positions(stats.inputs, stats.cotangents, num_terms, 1,
-                                             weight_sharing)
-    return dataclasses.replace(stats, inputs=inputs, cotangents=cotangents)
+    inputs, cotangents, divisor = base.fold_positions(stats.inputs, stats.cotangents,
+                                                      num_terms, 1, weight_sharing)
+    return dataclasses.replace(stats, inputs=inputs, cotangents=cotangents, num_terms=divisor)
 
   def input_rows(self, spec, stats, dtype, *, sampling=None, key=None) -> base.FactorRows:
-    """``(N T, d_in (+1))`` rows with scale ``1 / N`` (``N``: the leading axis, the loss terms
-    after :meth:`per_loss_term`)."""
+    """``(N T, d_in (+1))`` rows with scale ``1 / M``: ``M`` the loss terms, the leading axis
+    after :meth:`per_loss_term` or the statistics' ``num_terms``."""
     del sampling, key
     x = stats.inputs
     rows = x.reshape(-1, x.shape[-1]).astype(dtype)
     if spec.has_bias:
       rows = with_ones(rows)
-    return base.FactorRows(rows, jnp.asarray(1.0 / x.shape[0], dtype))
+    return base.FactorRows(rows, jnp.asarray(1.0 / base.a_divisor(stats, x.shape[0]), dtype))

@@ -56,12 +56,17 @@ class DenseGeneralStats:
       feature axes flattened (see :class:`thor_optax.DenseStats`).
     in_axes: number of contracted input axes, the kernel's leading axes (static).
     out_axes: number of output feature axes, the kernel's trailing axes (static).
+    num_terms: the ``M`` loss terms ``A`` divides by when the leading axis is not them (static):
+      rows that do not regroup to ``M`` (a graph network's nodes under a per-graph loss, a
+      language model whose loss drops the last position, an ensemble member's share of the
+      terms); ``None`` (default): the leading axis.
   """
 
   inputs: jax.Array
   cotangents: jax.Array
   in_axes: int = dataclasses.field(default=1, metadata=dict(static=True))
   out_axes: int = dataclasses.field(default=1, metadata=dict(static=True))
+  num_terms: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def _axes(axes, ndim: int) -> tuple[int, ...]:

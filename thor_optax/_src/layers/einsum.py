@@ -52,6 +52,10 @@ class EinsumStats:
     in_axes: the number of contracted axes (static).
     bias_perm: the bias's axes (the output features in the output's order) in the kernel's
       order (static).
+    num_terms: the ``M`` loss terms ``A`` divides by when the leading axis is not them (static):
+      rows that do not regroup to ``M`` (a graph network's nodes under a per-graph loss, a
+      language model whose loss drops the last position, an ensemble member's share of the
+      terms); ``None`` (default): the leading axis.
   """
 
   inputs: jax.Array
@@ -59,6 +63,7 @@ class EinsumStats:
   kernel_perm: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
   in_axes: int = dataclasses.field(default=1, metadata=dict(static=True))
   bias_perm: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+  num_terms: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def parse(equation: str, in_ndim: int, kernel_ndim: int) -> tuple[Optional[dict], str]:

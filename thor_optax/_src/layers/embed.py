@@ -46,12 +46,17 @@ class EmbedStats:
     attend_inputs: for a tied embedding, the inputs ``h`` of its ``attend`` uses,
       ``(N, P, features)``; ``None`` otherwise.
     attend_cotangents: the logit cotangents of those uses, ``(S, N, P, vocab)``, or ``None``.
+    num_terms: the ``M`` loss terms ``A`` divides by when the leading axis is not them (static):
+      rows that do not regroup to ``M`` (a graph network's nodes under a per-graph loss, a
+      language model whose loss drops the last position, an ensemble member's share of the
+      terms); ``None`` (default): the leading axis.
   """
 
   inputs: jax.Array
   cotangents: jax.Array
   attend_inputs: Optional[jax.Array] = None
   attend_cotangents: Optional[jax.Array] = None
+  num_terms: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 class DiagonalState(NamedTuple):
@@ -85,10 +90,11 @@ def embedding_frequencies(spec: base.LayerSpec, stats: EmbedStats,
   sharding are gathered first (a scatter with sharded indices is rejected)."""
   ids = explicit.replicate(stats.inputs).reshape(-1)
   counts = jnp.zeros((spec.kernel_shape[0],), dtype).at[ids].add(1.0, mode="drop")
-  diagonal = counts / stats.inputs.shape[0]
+  diagonal = counts / base.a_divisor(stats, stats.inputs.shape[0])
   if stats.attend_cotangents is not None:  # a tied embedding's logit cotangents
     g = stats.attend_cotangents.astype(dtype)
-    diagonal = diagonal + jnp.sum(g * g, axis=tuple(range(g.ndim - 1))) / g.shape[1]
+    diagonal = diagonal + jnp.sum(g * g, axis=tuple(range(g.ndim - 1))) / base.a_divisor(
+        stats, g.shape[1])
   return diagonal
 
 
@@ -129,7 +135,7 @@ class Embed(base.LayerKind):
     h, g_l = stats.attend_inputs, stats.attend_cotangents
     if h is not None:
       h, g_l = base.regroup_examples(h, g_l, num_terms, 1)
-    return EmbedStats(ids, cotangents, h, g_l)
+    return EmbedStats(ids, cotangents, h, g_l, base.terms_divisor(ids.shape[0], num_terms))
 
   def plan(self, module, methods, input_shape) -> base.Plan:
     del module, methods
