@@ -27,13 +27,15 @@ DAMPING = 0.01
 
 
 class General(nn.Module):
-  """``DenseGeneral`` to ``(H, HD)`` heads, tanh, ``DenseGeneral`` contracting both."""
+  """``DenseGeneral`` to ``(H, HD)`` heads, tanh, ``DenseGeneral`` contracting both (Flax sorts
+  ``axis``: ``(-1, -2)`` is the same layer, kernel ``(H, HD, K)``)."""
   use_bias: bool = True
+  out_axis: tuple = (-2, -1)
 
   @nn.compact
   def __call__(self, x):
     q = nn.DenseGeneral((H, HD), use_bias=self.use_bias, name="q")(x)
-    return nn.DenseGeneral(K, axis=(-2, -1), use_bias=self.use_bias, name="o")(jnp.tanh(q))
+    return nn.DenseGeneral(K, axis=self.out_axis, use_bias=self.use_bias, name="o")(jnp.tanh(q))
 
 
 class Flat(nn.Module):
@@ -85,13 +87,15 @@ TRANSFORMS = {
 
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
-@pytest.mark.parametrize("use_bias", [True, False])
-def test_dense_general_equals_the_reshaped_dense_model(name, use_bias):
+@pytest.mark.parametrize("use_bias,out_axis", [(True, (-2, -1)), (False, (-2, -1)),
+                                               (True, (-1, -2))])
+def test_dense_general_equals_the_reshaped_dense_model(name, use_bias, out_axis):
   x = jnp.asarray(randn(0, (N, T, D)))
   y = jnp.asarray(np.random.default_rng(1).integers(0, K, (N, T)))
-  params = reference.init_params(General(use_bias), x)
+  model = General(use_bias, out_axis)
+  params = reference.init_params(model, x)
   # Without a bias the kernels' shapes are ambiguous: the capture's layout is needed.
-  got, grads, stats = _update(General(use_bias), params, x, y, softmax_ce, TRANSFORMS[name],
+  got, grads, stats = _update(model, params, x, y, softmax_ce, TRANSFORMS[name],
                               captured=not use_bias)
   assert not stats.unhandled
   assert isinstance(stats.layers["q"], thor_optax.DenseGeneralStats)

@@ -70,9 +70,11 @@ class DenseGeneralStats:
 
 
 def _axes(axes, ndim: int) -> tuple[int, ...]:
-  """Flax's canonical form of an ``axis`` / ``features`` argument: a tuple, negatives wrapped."""
+  """Flax's canonical form of an ``axis`` argument: a sorted tuple, negatives wrapped (Flax's
+  ``_normalize_axes`` sorts them, so ``axis=(-1, -2)`` builds the kernel ``(in[-2], in[-1],
+  ...)``: the input rows must be flattened in that order)."""
   axes = (axes,) if isinstance(axes, int) else tuple(axes)
-  return tuple(int(a) % ndim for a in axes)
+  return tuple(sorted(int(a) % ndim for a in axes))
 
 
 class DenseGeneral(dense.Dense):
