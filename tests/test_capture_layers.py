@@ -373,3 +373,54 @@ def test_integer_inputs_are_recorded_as_flax_casts_them():
   rows, _ = step(params, state, "gradient_stats")
   block, _ = step(params, state, None)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), rows, block)
+
+
+class Wrapped(nn.Module):
+  """A ``Dense`` under ``nn.WeightNorm`` or ``nn.SpectralNorm`` (``nn.map_variables``), then a
+  plain ``Dense`` head."""
+  wrapper: str
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    inner = nn.Dense(6, param_dtype=F64, name="inner")
+    if self.wrapper == "weight_norm":
+      h = nn.WeightNorm(inner, param_dtype=F64)(x)
+    else:
+      h = nn.SpectralNorm(inner)(x, update_stats=train)
+    return nn.Dense(3, param_dtype=F64, name="head")(jnp.tanh(h))
+
+
+@pytest.mark.parametrize("wrapper", ["weight_norm", "spectral_norm"])
+def test_layers_whose_weights_are_mapped_are_listed(wrapper):
+  """The layer's applied weight is a function of its parameter (``W / ||W||``, ``W / sigma``):
+  listed with the reason, its gradient passed through exactly; the head is captured. Before,
+  ``WeightNorm`` crashed the capture (params immutable inside ``map_variables``) and
+  ``SpectralNorm`` asked for a PRNG, then normalized the capture's own perturbation and took
+  the layer as an exact dense one."""
+  model = Wrapped(wrapper)
+  x = jnp.asarray(randn(0, (5, 4)))
+  y = jnp.arange(5) % 3
+  variables = model.init(jax.random.PRNGKey(0), x)
+  params, state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+  capture = value_and_grad_with_stats(model, softmax_ce)
+  kwargs = dict(model_state=state, mutable=list(state)) if state else {}
+  (loss, grads), stats, *mutated = capture(params, x, y, **kwargs)
+  assert list(stats.layers) == ["head"] and stats.exact_rows == ("head",)
+  assert any(note.startswith("inner: its variables are mapped by nn.map_variables")
+             for note in stats.unhandled), stats.unhandled
+
+  def plain(p):
+    out = model.apply({"params": p, **state}, x, mutable=list(state) or False)
+    return softmax_ce(out[0] if state else out, y)
+
+  want_loss, want = jax.value_and_grad(plain)(params)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-14)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-14)
+  if state:  # the same collections as model.apply updates, nothing of the capture's in them
+    ref = model.apply({"params": params, **state}, x, mutable=list(state))[1]
+    assert jax.tree.structure(mutated[0]) == jax.tree.structure(ref)
+  tx = thor_optax.thor(0.1)
+  updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats,
+                         gradient_stats=stats)
+  assert all(bool(jnp.isfinite(u).all()) for u in jax.tree.leaves(updates))

@@ -637,13 +637,16 @@ class _Context:
 def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tuple:
   """Calls, shapes and metadata of every registered kind's module (an abstract pass, no FLOPs).
 
-  Returns ``(calls, counts, foreign)``: the :class:`Call`\\ s by module path; the number of
-  ``__call__`` calls of each captured-kind module with parameters per forward pass (counted
-  through the params channel, so a lifted scan's second trace of its body does not count);
-  and ``{site: module class}`` of layers applied with ``.apply()`` inside the model.
+  Returns ``(calls, counts, foreign, transformed)``: the :class:`Call`\\ s by module path; the
+  number of ``__call__`` calls of each captured-kind module with parameters per forward pass
+  (counted through the params channel, so a lifted scan's second trace of its body does not
+  count); ``{site: module class}`` of layers applied with ``.apply()`` inside the model; and
+  ``{module path: reason}`` of layers run inside ``nn.map_variables`` (``nn.WeightNorm``,
+  ``nn.SpectralNorm``), whose applied weight is a function of their parameter: listed.
   """
   calls: dict[tuple[str, ...], list] = {}
   foreign: dict[str, str] = {}
+  transformed: dict[tuple[str, ...], str] = {}
   ctx = _Context({path: {k: tuple(v.shape) for k, v in leaves.items()}
                   for path, leaves in _module_leaves(params).items()})
 
@@ -662,6 +665,12 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     kind = layers_lib.kind_of_module(mod)
     if kind is None or method not in kind.methods:
       return out
+    if any("map_variables(" in p for p in mod.scope.root.debug_path):
+      transformed[tuple(mod.path)] = (
+          f"its variables are mapped by nn.map_variables (nn.WeightNorm, nn.SpectralNorm wrap "
+          f"the {type(mod).__name__} so), so the weight it applies is a function of its "
+          "parameters, not them; its gradients pass through unpreconditioned")
+      return out
     place = ctx.placement(mod)
     stack, shared_over = place if place is not None else ((), "")
     note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over,
@@ -679,7 +688,7 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
   mutated = jax.eval_shape(run, params, model_state, inputs)
   counts = {path: _get(mutated, path)[_CALLS].shape[-1] for path in calls
             if _CALLS in (_get(mutated, path) or {})}
-  return calls, counts, foreign
+  return calls, counts, foreign, transformed
 
 
 def _module_leaves(params: Any) -> dict[tuple[str, ...], dict]:
@@ -982,8 +991,8 @@ def value_and_grad_with_stats(
       raise ValueError("model_state holds the non-parameter collections; pass params "
                        "as the first argument.")
     apply = _Apply(model, mutable, apply_kwargs)
-    calls, counts, foreign = _discover(apply, params, model_state, inputs)
-    shared = _shared_with_apply(apply, params, model_state, inputs, foreign)
+    calls, counts, foreign, transformed = _discover(apply, params, model_state, inputs)
+    shared = {**_shared_with_apply(apply, params, model_state, inputs, foreign), **transformed}
 
     def zeroed(p):
       with nn.intercept_methods(_zeroed_calls):
