@@ -424,3 +424,56 @@ def test_layers_whose_weights_are_mapped_are_listed(wrapper):
   updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats,
                          gradient_stats=stats)
   assert all(bool(jnp.isfinite(u).all()) for u in jax.tree.leaves(updates))
+
+
+class WithPredictions(nn.Module):
+  """Logits and their integer ``argmax`` in a dict (a common evaluation-friendly output)."""
+
+  @nn.compact
+  def __call__(self, x):
+    logits = nn.Dense(3, param_dtype=F64)(jnp.tanh(nn.Dense(4, param_dtype=F64)(x)))
+    return {"logits": logits, "predictions": jnp.argmax(logits, -1)}
+
+
+def test_integer_outputs_and_loss_fns_that_are_not_a_scalar():
+  """An integer output leaf beside the logits is captured (its cotangent is ``float0``;
+  before: a JAX ``TypeError`` from ``grad``); a ``loss_fn`` returning a per-example vector or
+  a ``(loss, aux)`` tuple gets a ``ValueError`` saying what to return."""
+  model = WithPredictions()
+  x = jnp.asarray(randn(1, (5, 6)))
+  y = jnp.arange(5) % 3
+  params = init_params(model, x)
+  loss_fn = lambda out, t: softmax_ce(out["logits"], t)  # noqa: E731
+  (loss, grads), stats = value_and_grad_with_stats(model, loss_fn, num_loss_terms=5)(
+      params, x, y)
+  want_loss, want = jax.value_and_grad(lambda p: loss_fn(model.apply({"params": p}, x), y))(
+      params)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-14)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-14)
+  assert sorted(stats.layers) == ["Dense_0", "Dense_1"]
+  bad = {"a per-example vector": lambda out, t: softmax_ce(out["logits"], t) * jnp.ones(5),
+         "a (loss, aux) tuple": lambda out, t: (loss_fn(out, t), {"accuracy": 1.0})}
+  for what, fn in bad.items():
+    with pytest.raises(ValueError, match="loss_fn must return one floating-point scalar"):
+      value_and_grad_with_stats(model, fn, num_loss_terms=5)(params, x, y)
+
+
+def test_output_cotangents_checks_its_arguments():
+  """The public ``output_cotangents`` validates as the capture does (before: a misspelled
+  ``fisher_type`` was taken as ``'exact'``, a missing likelihood as squared error, and
+  ``num_terms=0`` gave zero cotangents)."""
+  out = jnp.asarray(randn(2, (4, 3)))
+  d = jnp.ones_like(out) / 4
+  fn = thor_optax.flax.output_cotangents
+  np.testing.assert_allclose(fn(out, d, 4, "empirical", None, 1, None), np.ones((1, 4, 3)))
+  for args, match in [((4, "Empirical", None, 1, None), "fisher_type"),
+                      ((4, "exact", None, 1, None), "likelihood"),
+                      ((4, "exact", "softmax", 1, None), "likelihood"),
+                      ((0, "empirical", None, 1, None), "positive"),
+                      ((4, "sampled", "squared_error", 0, None), "num_samples"),
+                      ((4, "sampled", "squared_error", 1, 0), "one PRNG key")]:
+    with pytest.raises(ValueError, match=match):
+      fn(out, d, *args)
+  with pytest.raises(ValueError, match="dloss must have the outputs' shape"):
+    fn(out, d[0], 4, "empirical", None, 1, None)

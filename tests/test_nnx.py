@@ -433,6 +433,13 @@ def test_errors():
   with pytest.raises(ValueError, match="rng"):
     thor_nnx.value_and_grad_with_stats(
         _loss, fisher_type="sampled", likelihood="softmax_cross_entropy")(model, x, y)
+  # Not one key (before: errors from inside jax.random naming no argument).
+  for rng in (0, nnx.Rngs(0), jax.random.split(jax.random.PRNGKey(0), 3),
+              jax.random.split(jax.random.key(0), 3)):
+    with pytest.raises(ValueError, match="rng must be one PRNG key"):
+      thor_nnx.value_and_grad_with_stats(
+          _loss, fisher_type="sampled", likelihood="softmax_cross_entropy")(model, x, y,
+                                                                             rng=rng)
   with pytest.raises(ValueError, match="likelihood"):
     thor_nnx.value_and_grad_with_stats(_loss, fisher_type="exact")
   with pytest.raises(TypeError, match="thor_optax.flax"):

@@ -74,6 +74,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Seque
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jax_core
 
 from thor_optax._src import layers as layers_lib
@@ -132,7 +133,20 @@ def output_cotangents(outputs: jax.Array, dloss: jax.Array, num_terms: int, fish
   Returns:
     ``(S, *outputs.shape)`` cotangents (``S = 1`` empirical, ``num_samples`` sampled, ``K``
     exact).
+
+  Raises:
+    ValueError: on an unknown ``fisher_type`` or ``likelihood``, ``num_samples < 1``, a
+      ``num_terms`` that is not a positive int, a ``dloss`` not shaped like ``outputs``, or a
+      sampled Fisher without one PRNG key (:class:`FisherOptions`).
+
+  Source: Martens & Grosse, ICML 2015 (the Fisher with targets sampled from the model's
+  predictive distribution); Kunstner et al., NeurIPS 2019 (the empirical Fisher).
   """
+  options = FisherOptions(fisher_type, likelihood, num_samples, num_loss_terms=num_terms)
+  options.check_rng(rng)
+  if np.shape(dloss) != np.shape(outputs):
+    raise ValueError(f"output_cotangents: dloss must have the outputs' shape "
+                     f"{np.shape(outputs)}, got {np.shape(dloss)}.")
   if fisher_type == "empirical":
     return (dloss * num_terms)[None]
   f = outputs.astype(jnp.promote_types(outputs.dtype, jnp.float32))
@@ -205,10 +219,23 @@ class FisherOptions:
                        f"loss averages or sums) or None, got {n!r}.")
 
   def check_rng(self, rng: Optional[jax.Array]) -> None:
-    """Raises ``ValueError`` if the Fisher type draws targets and ``rng`` is ``None``."""
-    if self.fisher_type == "sampled" and rng is None:
+    """Raises ``ValueError`` if the Fisher type draws targets and ``rng`` is not one PRNG key
+    (``jax.random.key(0)`` or a raw ``jax.random.PRNGKey(0)``)."""
+    if self.fisher_type != "sampled":
+      return
+    if rng is None:
       raise ValueError(
           "fisher_type='sampled' draws targets from the model: pass rng=<PRNGKey>.")
+    dtype = rng.dtype if isinstance(rng, (jax.Array, np.ndarray)) else None
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    if not (typed and rng.shape == () or not typed and dtype == jnp.uint32
+            and len(rng.shape) == 1):
+      got = (f"an array of shape {rng.shape} and dtype {dtype}" if dtype is not None
+             else f"a {type(rng).__name__}")
+      raise ValueError(
+          f"fisher_type='sampled': rng must be one PRNG key, jax.random.key(seed) or "
+          f"jax.random.PRNGKey(seed) (a batch of keys: pass one of them; nnx.Rngs: pass "
+          f"a key drawn from it, rngs()), got {got}.")
 
 
 class Call(NamedTuple):
@@ -450,6 +477,51 @@ def loss_terms(outputs: Any, options: "FisherOptions") -> int:
       "batch size N for a loss over examples, N * T for one over all positions).")
 
 
+def loss_and_output_cotangents(loss_fn: Callable[[Any, Any], jax.Array], outputs: Any,
+                               targets: Any) -> tuple[jax.Array, Any]:
+  """The loss and its gradient with respect to the model's floating-point outputs.
+
+  Args:
+    loss_fn: ``loss_fn(outputs, targets) -> scalar``.
+    outputs: the model's outputs, any pytree; integer or boolean leaves (``argmax``
+      predictions returned beside the logits) get ``float0`` cotangents, Python numbers
+      (``return logits, 0.0``) cotangents of their own dtype.
+    targets: passed to ``loss_fn``.
+
+  Returns:
+    ``(loss, cotangents)``, the cotangents shaped like ``outputs``.
+
+  Raises:
+    ValueError: if ``loss_fn`` does not return one floating-point scalar (a per-example loss
+      vector, a ``(loss, aux)`` tuple), naming what it returned.
+  """
+  leaves, treedef = jax.tree.flatten(outputs)
+  floating = [jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in leaves]
+
+  def of_floats(floats):
+    it = iter(floats)
+    return loss_fn(treedef.unflatten([next(it) if f else leaf
+                                      for leaf, f in zip(leaves, floating)]), targets)
+
+  loss, pullback = jax.vjp(of_floats, [leaf for leaf, f in zip(leaves, floating) if f])
+  if not (isinstance(loss, jax.Array) and loss.shape == ()
+          and jnp.issubdtype(loss.dtype, jnp.floating)):
+    got = (f"an array of shape {loss.shape} and dtype {loss.dtype}"
+           if isinstance(loss, jax.Array) else
+           f"a {type(loss).__name__} of {len(jax.tree.leaves(loss))} leaves")
+    raise ValueError(
+        f"thor_optax value_and_grad_with_stats: loss_fn must return one floating-point scalar "
+        f"(the loss averaged or summed over its terms), got {got}. A per-example loss: return "
+        "its .mean() (or .sum() with loss_reduction='sum'); metrics such as accuracy: compute "
+        "them from the model's outputs outside loss_fn (the capture returns no aux).")
+  floats, = pullback(jnp.ones_like(loss))
+  it = iter(floats)
+  cotangents = [jnp.asarray(next(it)).astype(jnp.result_type(leaf)) if f
+                else np.zeros(np.shape(leaf), jax.dtypes.float0)
+                for leaf, f in zip(leaves, floating)]
+  return loss, treedef.unflatten(cotangents)
+
+
 def vjp_with_stats(
     forward: Callable[[Any, dict], tuple[Any, tuple[dict, Any]]],
     params: Any,
@@ -496,9 +568,7 @@ def vjp_with_stats(
 
   perturbations = {path: zeros(c) for path, c in captured.items()}
   outputs, vjp_fn, (layer_inputs, aux) = jax.vjp(forward, params, perturbations, has_aux=True)
-  loss, dloss = jax.value_and_grad(loss_fn)(outputs, targets)
-  # (an output may be a Python number, ``return logits, 0.0``: it has no dtype attribute)
-  dloss = jax.tree.map(lambda d, o: jnp.asarray(d).astype(jnp.result_type(o)), dloss, outputs)
+  loss, dloss = loss_and_output_cotangents(loss_fn, outputs, targets)
   grads, layer_cts = vjp_fn(dloss)
   # A layer shared over a loop's iterations: its input sums come back as gradients.
   layer_inputs = {**layer_inputs, **{path: layer_cts[path] for path, c in captured.items()
