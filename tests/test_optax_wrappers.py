@@ -135,6 +135,8 @@ def test_concatenate_stats_joins_examples_and_rejects_other_models(conv_setup):
     thor_optax.concatenate_stats(first, other)
   with pytest.raises(ValueError, match="at least one"):
     thor_optax.concatenate_stats()
+  with pytest.raises(TypeError, match=r"concatenate_stats\(\*stats_list\)"):
+    thor_optax.concatenate_stats([first, rest])  # before: nested layers '0/layers/...'
 
 
 def test_partition_thor_on_conv_adam_elsewhere(conv_setup):

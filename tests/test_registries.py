@@ -540,7 +540,42 @@ def test_user_kind_registration_rules(projection_kind):
     thor_optax.register_layer_kind(ProjectionKind())
   with pytest.raises(TypeError, match="LayerKind instance"):
     thor_optax.register_layer_kind(ProjectionKind)
+  # Attributes of the wrong type are named when the kind is registered (before: errors from
+  # isinstance or dataclasses at the first capture).
+  bad = {"linen_modules": (Projection(4),), "nnx_modules": Projection, "stats_type": None,
+         "weight": 0, "example_axes": {"rows": 0}}
+  for attr, value in bad.items():
+    wrong = type("Wrong", (ProjectionKind,), {"name": "wrong", attr: value})()
+    with pytest.raises(TypeError, match=attr):
+      thor_optax.register_layer_kind(wrong)
   assert layers_lib.registered() == (projection_kind,) + KINDS
+
+
+@pytest.mark.parametrize("claim,weight,match", [
+    (lambda w: thor_layers.Claim(a_dim=w[1], g_dim=w[0]), "w", "must give a_dim=6, g_dim=4"),
+    (lambda w: (w[0], w[1]), "w", "must return a thor_optax.layers.Claim"),
+    (lambda w: thor_layers.Claim(a_dim=w[0], g_dim=w[1]), "kernel", "weight leaf 'kernel'")])
+def test_user_kind_claims_that_do_not_fit_are_named(claim, weight, match):
+  """A claim with swapped dimensions, one that is not a ``Claim``, or a ``weight`` naming no
+  leaf: an error naming the kind and the layer when the optimizer lays it out (before: a
+  ``lax.cond`` shape mismatch, an ``AttributeError``, ``len(None)``)."""
+
+  class Bad(ProjectionKind):
+    name = "projection_bad"
+
+    def claim(self, path, shapes):
+      w = shapes.get("w")
+      return None if set(shapes) != {"w"} else claim(w)
+
+  kind = Bad()
+  kind.weight = weight
+  thor_optax.register_layer_kind(kind)
+  try:
+    model, x, _, params = _projection_batch()
+    with pytest.raises((TypeError, ValueError), match=match):
+      thor_optax.thor(0.1).init(params)
+  finally:
+    thor_optax.unregister_layer_kind(kind)
 
 
 def test_user_kind_is_captured_and_preconditioned_as_dense(projection_kind):

@@ -231,6 +231,7 @@ def build_layout(tree: Any, block_size: Optional[int],
     if captured is None or hint is not None:
       found = claim_stacked(path, shapes, hint)
     if found is not None:
+      layers_lib.check_claim(found[0], path, shapes, found[1])
       claimed.append((path, shapes, hint, found))
   pad_small = _pads_small_factors(
       [(dim, math.prod(found[2]) * found[1].groups) for _, _, _, found in claimed
@@ -260,9 +261,24 @@ def build_layout(tree: Any, block_size: Optional[int],
                                       slot(claim.g_dim, copies), stack, in_axes=claim.in_axes,
                                       groups=claim.groups,
                                       hint=() if hint is None else tuple(hint[1])))
+    _check_dims(specs[-1], claim)
   groups = {group_key(b, r): (b, n) for (b, r), n in sorted(counts.items())}
   ranks = {group_key(b, r): r for (b, r) in sorted(counts) if r}
   return BlockLayout(tuple(specs), groups, block_size, ranks)
+
+
+def _check_dims(spec: Any, claim: Any) -> None:
+  """Raises ``ValueError`` naming the kind and the layer when a claim's factor dimensions do
+  not fit its weight as the ``(d_in (+1 bias row), d_out)`` matrix the factors act on."""
+  want_a = spec.d_in + int(spec.has_bias) if claim.a_dim is not None else None
+  want_g = spec.d_out if claim.g_dim is not None else None
+  if (claim.a_dim, claim.g_dim) != (want_a, want_g):
+    raise ValueError(
+        f"layer kind {spec.kind.name!r} claimed layer {spec.name!r} with a_dim={claim.a_dim}, "
+        f"g_dim={claim.g_dim}, but its weight {spec.kind.weight!r} of shape "
+        f"{spec.kernel_shape} is a ({spec.d_in}, {spec.d_out}) matrix"
+        f"{' with a bias row' if spec.has_bias else ''}: its claim must give a_dim={want_a}, "
+        f"g_dim={want_g} (or the kind must override kernel_matrix and matrix_dims).")
 
 
 def group_shapes(kind: Any, shapes: Mapping[str, tuple[int, ...]],

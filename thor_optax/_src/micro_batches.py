@@ -79,12 +79,16 @@ def concatenate_stats(*stats: stats_lib.CurvatureStats) -> stats_lib.CurvatureSt
     gradient of the micro-batches' mean loss is ``a^T g / sum M_i``).
 
   Raises:
+    TypeError: if a list or tuple of statistics is passed as one argument.
     ValueError: if no statistics are given, the micro-batches' layers differ, or a layer's
       kind, static metadata or per-example shapes differ between micro-batches (the message
       names the layer path).
   """
   if not stats:
     raise ValueError("concatenate_stats needs the statistics of at least one micro-batch.")
+  if any(isinstance(s, (list, tuple)) for s in stats):
+    raise TypeError("concatenate_stats takes each micro-batch's statistics as its own argument: "
+                    "concatenate_stats(*stats_list), not concatenate_stats(stats_list).")
   flats = [stats_lib.flatten_layer_stats(s) for s in stats]
   names = list(flats[0])
   for i, flat in enumerate(flats[1:], start=1):

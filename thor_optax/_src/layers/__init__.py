@@ -11,6 +11,7 @@ so it can take over modules (a subclass of ``nn.Conv`` whose kernel is transform
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable, Mapping, Optional
 
 from thor_optax._src.layers import base
@@ -51,13 +52,18 @@ def register_layer_kind(kind: base.LayerKind) -> base.LayerKind:
     ``kind``, so that it can be used as a decorator of an instance.
 
   Raises:
-    TypeError: if ``kind`` is not a ``LayerKind`` instance.
+    TypeError: if ``kind`` is not a ``LayerKind`` instance, its ``linen_modules`` /
+      ``nnx_modules`` are not tuples of classes, its ``stats_type`` is not a dataclass, its
+      ``weight`` is not a string, or its ``example_axes`` name no field of ``stats_type``
+      (a claim that is not a :class:`Claim` or does not fit the weight is rejected when the
+      optimizer lays the layer out, naming the kind and the layer).
     ValueError: if its ``name`` is empty or already registered, or its ``stats_type`` is
       another kind's with other ``example_axes``.
   """
   if not isinstance(kind, base.LayerKind):
     raise TypeError(f"register_layer_kind needs a LayerKind instance, got {kind!r}; subclass "
                     "thor_optax.LayerKind and pass an instance.")
+  _check_kind_attributes(kind)
   if not kind.name or any(k.name == kind.name for k in registered()):
     raise ValueError(f"register_layer_kind: the name {kind.name!r} is empty or taken; "
                      f"registered: {[k.name for k in registered()]}.")
@@ -67,6 +73,45 @@ def register_layer_kind(kind: base.LayerKind) -> base.LayerKind:
                      "another kind with other example_axes; give the new kind its own dataclass.")
   _user.insert(0, kind)
   return kind
+
+
+def _check_kind_attributes(kind: base.LayerKind) -> None:
+  """Raises ``TypeError`` naming the attribute of ``kind`` that does not have its type."""
+  where = f"register_layer_kind({type(kind).__name__}())"
+  for attr in ("linen_modules", "nnx_modules"):
+    value = getattr(kind, attr)
+    if not isinstance(value, tuple) or not all(isinstance(c, type) for c in value):
+      raise TypeError(f"{where}: {attr} must be a tuple of module classes (e.g. "
+                      f"(MyModule,), or () for none), got {value!r}.")
+  if not (isinstance(kind.stats_type, type) and dataclasses.is_dataclass(kind.stats_type)):
+    raise TypeError(f"{where}: stats_type must be a dataclass registered with "
+                    f"jax.tree_util.register_dataclass (or a built-in kind's, such as "
+                    f"thor_optax.DenseStats), got {kind.stats_type!r}.")
+  if not isinstance(kind.weight, str):
+    raise TypeError(f"{where}: weight must be the name of the weight leaf ('kernel', 'w'), "
+                    f"got {kind.weight!r}.")
+  fields = {f.name for f in dataclasses.fields(kind.stats_type)}
+  if not kind.example_axes or not set(kind.example_axes) <= fields:
+    raise TypeError(f"{where}: example_axes must map fields of {kind.stats_type.__name__} "
+                    f"({sorted(fields)}) to their example axis, got {dict(kind.example_axes)!r}.")
+
+
+def check_claim(kind: base.LayerKind, path: tuple[str, ...], shapes: Mapping[str, tuple],
+                found: Any) -> None:
+  """Raises ``TypeError`` / ``ValueError`` naming the kind and the layer when a claim is not a
+  :class:`Claim`, or names factor dimensions that do not fit the kind's weight leaf as a
+  ``(d_in (+1 bias), d_out)`` matrix (a user kind whose ``claim`` swapped them, or whose
+  ``weight`` names no leaf)."""
+  where = (f"layer kind {kind.name!r} ({type(kind).__name__}) claimed layer "
+           f"{'/'.join(map(str, path)) or '(root)'} with leaves {dict(shapes)}")
+  if not isinstance(found, base.Claim):
+    raise TypeError(f"{where}: claim must return a thor_optax.layers.Claim or None, got "
+                    f"{found!r}.")
+  if found.a_dim is None and found.g_dim is None:
+    return
+  if kind.weight not in shapes:
+    raise ValueError(f"{where}: its weight leaf {kind.weight!r} is not among them; set the "
+                     "kind's weight attribute to the name of the leaf it owns.")
 
 
 def unregister_layer_kind(kind: base.LayerKind) -> None:
