@@ -212,6 +212,61 @@ def test_nnx_multi_head_attention_matches_linen():
   _assert_close(nnx.to_pure_dict(nnx.State(got)), want, atol=1e-6)
 
 
+class PooledAttention(nn.Module):
+  """Self-attention, positions pooled, a dense head: a loss per example (``'auto'``: reduce)."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * HD, name="attn")(x)
+    return nn.Dense(K, name="head")(h.mean(axis=1))
+
+
+def test_auto_expands_the_attention_key_under_a_per_example_loss():
+  """Softmax is invariant to a shift of all keys, so the key projection's cotangents sum to
+  zero over each example's positions: K-FAC-reduce's ``G`` vanished and the key kept the
+  identity for ``G`` (a step ``1/sqrt(lambda)`` times smaller than the formula's). ``'auto'``
+  expands the key (its update equals the all-expand capture's) and reduces the other
+  projections (equal to the all-reduce capture's), linen and NNX."""
+  x = jnp.asarray(randn(6, (N, T, D)))
+  y = jnp.arange(N) % K
+  params = reference.init_params(PooledAttention(), x)
+  make_tx = TRANSFORMS["kfac"]
+  (_, _), raw = reference.capture(PooledAttention(), softmax_ce, weight_sharing="reduce")(
+      params, x, y)
+  reduced_key = np.abs(np.asarray(raw.layers["attn"]["key"].cotangents)).max()
+  assert reduced_key < 1e-14  # the vanishing G of reduce
+  updates = {}
+  for sharing in ("auto", "expand", "reduce"):
+    (_, grads), stats = reference.capture(PooledAttention(), softmax_ce,
+                                          weight_sharing=sharing)(params, x, y)
+    tx = make_tx(None)
+    updates[sharing] = tx.update(grads, tx.init(params), params, curvature_stats=stats)[0]
+    if sharing == "auto":
+      assert stats.layers["attn"]["key"].cotangents.shape == (1, N, T, H * HD)
+      assert stats.layers["attn"]["query"].cotangents.shape == (1, N, H * HD)
+      assert "attn/key" in stats.exact_rows
+  attn = {k: v["attn"] for k, v in updates.items()}
+  _assert_close(attn["auto"]["key"], attn["expand"]["key"])
+  for name in ("query", "value", "out"):
+    _assert_close(attn["auto"][name], attn["reduce"][name])
+  assert float(jnp.abs(attn["auto"]["key"]["kernel"] - attn["reduce"]["key"]["kernel"]).max()
+               ) > 1e-3
+
+  class Model(nnx.Module):
+
+    def __init__(self):
+      self.attn = nnx.MultiHeadAttention(H, D, qkv_features=H * HD, decode=False,
+                                         param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+      self.head = nnx.Linear(D, K, param_dtype=jnp.float64, rngs=nnx.Rngs(1))
+
+    def __call__(self, inputs):
+      return self.head(self.attn(inputs).mean(axis=1))
+
+  (_, _), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(Model(), x, y)
+  assert stats.layers["attn"]["key"].cotangents.shape == (1, N, T, H * HD)
+  assert stats.layers["attn"]["value"].cotangents.shape == (1, N, H * HD)
+
+
 class Gemma(nn.Module):
   """Einsum projections as Gemma writes them: query ``'btd,ndh->btnh'`` (the contracted axis in
   the kernel's middle), output ``'btnh,nhk->btk'``."""

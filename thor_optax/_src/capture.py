@@ -69,7 +69,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import (Any, Callable, Collection, Iterable, Mapping, NamedTuple, Optional, Sequence,
+                    Union)
 
 import flax.linen as nn
 import jax
@@ -284,7 +285,8 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
                module_reasons: Mapping[tuple[Any, ...], str],
                counts: Optional[Mapping[tuple[Any, ...], int]] = None,
                shared: Optional[Mapping[tuple[Any, ...], str]] = None,
-               weight_sharing: str = "auto") -> tuple[dict, dict]:
+               weight_sharing: str = "auto",
+               attention_keys: Collection[tuple[Any, ...]] = ()) -> tuple[dict, dict]:
   """Which module calls are captured, and why the others are not.
 
   Args:
@@ -300,6 +302,8 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
       (given to a module applied with ``.apply()``): listed, not captured.
     weight_sharing: the capture's option (``step_sharing.plan``: ``'expand'`` lists a layer
       shared over a loop's iterations).
+    attention_keys: paths of the key projections of Flax's attention modules
+      (:func:`is_attention_key`), which ``'auto'`` expands (:func:`layer_weight_sharing`).
 
   Returns:
     ``(captured, unhandled)``: ``captured[path] = dict(kind=, meta=, out=, input_shape=,
@@ -342,11 +346,30 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
       continue
     captured[path] = dict(kind=kind, meta=plan.meta, out=first.out,
                           input_shape=first.input_shape, stack=first.stack,
-                          uses=tuple(seen) if sharing else None, steps=first.shared_over)
+                          uses=tuple(seen) if sharing else None, steps=first.shared_over,
+                          weight_sharing=layer_weight_sharing(weight_sharing,
+                                                              path in attention_keys))
   for path, reason in {**module_reasons, **(shared or {})}.items():
     if path not in captured and path not in unhandled:
       unhandled[path] = reason
   return captured, unhandled
+
+
+def layer_weight_sharing(weight_sharing: str, attention_key: bool) -> str:
+  """How one layer folds its positions: the capture's ``weight_sharing``, except that
+  ``'auto'`` expands the key projection of an attention module. Softmax is invariant to a
+  shift of all keys, so a key's output cotangents sum to zero over the positions of each
+  example, exactly: K-FAC-reduce's ``G`` (cotangents summed per example) would vanish and the
+  key would keep the identity for ``G`` (the check step rejects a factor that vanishes next to
+  its damping), a step ``1 / sqrt(lambda)`` times smaller than its neighbours'. Expand keeps
+  the rows; the key's gradient is ``a^T g`` of them (Eschenhagen et al., NeurIPS 2023)."""
+  return "expand" if weight_sharing == "auto" and attention_key else weight_sharing
+
+
+def is_attention_key(mod: nn.Module) -> bool:
+  """Whether a bound linen module is the ``key`` projection of an
+  ``nn.MultiHeadDotProductAttention`` (``nn.SelfAttention``)."""
+  return mod.name == "key" and isinstance(mod.parent, nn.MultiHeadDotProductAttention)
 
 
 def shared_uses(kind: layer_base.LayerKind, plan: layer_base.Plan, seen: Sequence[Call],
@@ -419,11 +442,11 @@ def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
     if c["uses"]:  # weight sharing: one statistics of every use
       raw = kind.make_shared_stats(tuple(u.method for u in c["uses"]), layer_inputs[path],
                                    cts[path], **c["meta"])
-      folded = kind.per_loss_term(raw, num_terms, weight_sharing)
+      folded = kind.per_loss_term(raw, num_terms, c.get("weight_sharing", weight_sharing))
     else:
-      def make(x, g, kind=kind, meta=c["meta"]):
+      def make(x, g, kind=kind, meta=c["meta"], sharing=c.get("weight_sharing", weight_sharing)):
         raw = kind.make_stats(x, g, **meta)
-        return raw, kind.per_loss_term(raw, num_terms, weight_sharing)
+        return raw, kind.per_loss_term(raw, num_terms, sharing)
 
       for _ in c["stack"]:  # inputs (L, N, ...), cotangents (S, L, N, ...)
         make = jax.vmap(make, in_axes=(0, 1))
@@ -707,16 +730,18 @@ class _Context:
 def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tuple:
   """Calls, shapes and metadata of every registered kind's module (an abstract pass, no FLOPs).
 
-  Returns ``(calls, counts, foreign, transformed)``: the :class:`Call`\\ s by module path; the
+  Returns ``(calls, counts, foreign, transformed, keys)``: the :class:`Call`\\ s by module path; the
   number of ``__call__`` calls of each captured-kind module with parameters per forward pass
   (counted through the params channel, so a lifted scan's second trace of its body does not
   count); ``{site: module class}`` of layers applied with ``.apply()`` inside the model; and
   ``{module path: reason}`` of layers run inside ``nn.map_variables`` (``nn.WeightNorm``,
-  ``nn.SpectralNorm``), whose applied weight is a function of their parameter: listed.
+  ``nn.SpectralNorm``), whose applied weight is a function of their parameter: listed; and
+  the paths of attention key projections (:func:`is_attention_key`).
   """
   calls: dict[tuple[str, ...], list] = {}
   foreign: dict[str, str] = {}
   transformed: dict[tuple[str, ...], str] = {}
+  keys: set[tuple[str, ...]] = set()
   ctx = _Context({path: {k: tuple(v.shape) for k, v in leaves.items()}
                   for path, leaves in _module_leaves(params).items()})
 
@@ -741,6 +766,8 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
           f"the {type(mod).__name__} so), so the weight it applies is a function of its "
           "parameters, not them; its gradients pass through unpreconditioned")
       return out
+    if is_attention_key(mod):
+      keys.add(tuple(mod.path))
     place = ctx.placement(mod)
     stack, shared_over = place if place is not None else ((), "")
     note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over,
@@ -758,7 +785,7 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
   mutated = jax.eval_shape(run, params, model_state, inputs)
   counts = {path: _get(mutated, path)[_CALLS].shape[-1] for path in calls
             if _CALLS in (_get(mutated, path) or {})}
-  return calls, counts, foreign, transformed
+  return calls, counts, foreign, transformed, frozenset(keys)
 
 
 def _module_leaves(params: Any) -> dict[tuple[str, ...], dict]:
@@ -1010,7 +1037,8 @@ def value_and_grad_with_stats(
       inputs averaged and cotangents summed over positions: ``N`` rows, about ``T`` times
       cheaper; exact when positions are pooled before a per-example loss, a classifying
       ViT), or ``'auto'`` (default): expand when the loss has more terms than examples, else
-      reduce. Dense and ``DenseGeneral`` layers; embeddings always expand, convolutions
+      reduce, except for the key projections of Flax's attention modules, always expanded
+      (their cotangents sum to zero over the positions: reduce's ``G`` would vanish). Dense and ``DenseGeneral`` layers; embeddings always expand, convolutions
       follow the transforms' ``conv_statistics``. A layer whose weights a lifted loop applies
       at every iteration (a recurrent cell) is always folded with reduce over the iterations,
       whose rows do not leave the loop; ``'expand'`` lists it with that reason.
@@ -1061,7 +1089,7 @@ def value_and_grad_with_stats(
       raise ValueError("model_state holds the non-parameter collections; pass params "
                        "as the first argument.")
     apply = _Apply(model, mutable, apply_kwargs)
-    calls, counts, foreign, transformed = _discover(apply, params, model_state, inputs)
+    calls, counts, foreign, transformed, keys = _discover(apply, params, model_state, inputs)
     shared = {**_shared_with_apply(apply, params, model_state, inputs, foreign), **transformed}
 
     def zeroed(p):
@@ -1072,7 +1100,7 @@ def value_and_grad_with_stats(
     captured, unhandled = plan_calls(
         calls, unsupported_reasons(stats_lib.path_keys(path) for path, _ in
                                    jax.tree_util.tree_flatten_with_path(params)[0]),
-        counts, shared, weight_sharing)
+        counts, shared, weight_sharing, keys)
     forward = functools.partial(
         _forward, apply, model_state, inputs,
         {p: c["kind"] for p, c in captured.items() if c["kind"].normalized_input},

@@ -205,6 +205,13 @@ def _module_reasons(model: nnx.Module, params: nnx.State) -> dict[tuple[Any, ...
   return reasons
 
 
+def _attention_keys(model: nnx.Module) -> frozenset:
+  """Paths of the ``key`` projections of the model's ``nnx.MultiHeadAttention`` modules
+  (``capture.layer_weight_sharing``: ``'auto'`` expands them)."""
+  return frozenset(tuple(path) + ("key",) for path, node in nnx.iter_graph(model)
+                   if isinstance(node, nnx.MultiHeadAttention))
+
+
 def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
               call_kwargs: dict) -> tuple[dict, dict]:
   """Calls, shapes and metadata of every registered layer (a traced pass, no FLOPs).
@@ -456,7 +463,8 @@ def value_and_grad_with_stats(
         functools.partial(_zeroed_forward, graphdef, rest, inputs, call_kwargs), params, calls)
     captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params),
                                                  shared=outside,
-                                                 weight_sharing=options.weight_sharing)
+                                                 weight_sharing=options.weight_sharing,
+                                                 attention_keys=_attention_keys(model))
     forward = functools.partial(_forward, graphdef, rest, inputs, call_kwargs, captured, dtypes)
     loss, grads, stats, new_rest = capture_lib.vjp_with_stats(
         forward, params, captured, unhandled, loss_fn, targets, rng, options)
