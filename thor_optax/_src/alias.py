@@ -30,6 +30,7 @@ References:
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Optional, Union
 
 import optax
@@ -38,6 +39,7 @@ from thor_optax._src import finite
 from thor_optax._src import inverses
 from thor_optax._src import kl_clip
 from thor_optax._src import momentum as momentum_lib
+from thor_optax._src import static_args
 from thor_optax._src import transform
 from thor_optax._src import weight_ratio
 from thor_optax._src import weight_rescaling
@@ -45,20 +47,22 @@ from thor_optax._src import weight_rescaling
 ScalarOrSchedule = Union[float, optax.Schedule]
 
 
-def _check_settings(learning_rate: Any, damping: Any, momentum: Any,
+def _check_settings(where: str, learning_rate: Any, damping: Any, momentum: Any,
                     weight_decay: Any = 0.0) -> None:
-  """Rejects Python numbers that cannot train (arrays from ``optax.inject_hyperparams`` and
-  schedules are checked at each step instead: see :func:`finite.skip_not_finite`)."""
-  def number(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+  """Rejects numbers that cannot train and arguments that are no numbers.
 
-  checks = (("learning_rate", learning_rate, lambda v: 0 <= v < math.inf, "finite and >= 0"),
-            ("damping", damping, lambda v: 0 < v < math.inf, "finite and > 0"),
-            ("momentum", momentum, lambda v: 0 <= v < 1, "in [0, 1)"),
-            ("weight_decay", weight_decay, lambda v: 0 <= v < math.inf, "finite and >= 0"))
-  for name, value, ok, what in checks:
-    if number(value) and not ok(value):
-      raise ValueError(f"thor_optax: {name} must be {what}, got {value!r}.")
+  Concrete numbers (Python or numpy scalars, 0-d arrays) are checked here; schedules and values
+  traced by ``optax.inject_hyperparams`` are checked at each step instead (see
+  :func:`finite.skip_not_finite`).
+  """
+  static_args.check_number(where, "learning_rate", learning_rate, lambda v: 0 <= v < math.inf,
+                           "finite and >= 0", schedule=True)
+  static_args.check_number(where, "damping", damping, lambda v: 0 < v < math.inf,
+                           "finite and > 0", schedule=True)
+  static_args.check_number(where, "momentum", momentum, lambda v: 0 <= v < 1, "in [0, 1)",
+                           optional=True)
+  static_args.check_number(where, "weight_decay", weight_decay, lambda v: 0 <= v < math.inf,
+                           "finite and >= 0", schedule=True)
 
 
 def _first_order_tail(learning_rate: ScalarOrSchedule, momentum: float, nesterov: bool,
@@ -269,10 +273,13 @@ def thor(
     preconditioned from their rows; :func:`scale_by_thor`).
 
   Raises:
-    ValueError: as :func:`scale_by_thor`, or for a Python-number learning rate, damping,
-      momentum or weight decay that cannot train (not finite, negative, momentum >= 1).
+    TypeError: as :func:`scale_by_thor`, or for a learning rate, damping, momentum or weight
+      decay that is no number nor schedule (a string, ``None``, a bool).
+    ValueError: as :func:`scale_by_thor`, or for a learning rate, damping, momentum or weight
+      decay that is a number (Python or numpy scalar, 0-d array) and cannot train (not
+      finite, negative, momentum >= 1).
   """
-  _check_settings(learning_rate, damping, momentum, weight_decay)
+  _check_settings("thor", learning_rate, damping, momentum, weight_decay)
   if pi_damping is None:  # eigh damps A (x) G exactly: no split
     pi_damping = inverses.damps_factors_separately(inverse_method)
   return _guarded(skip_not_finite, optax.chain(
@@ -329,9 +336,9 @@ def kfac(
     an ``optax.GradientTransformationExtraArgs``.
 
   Raises:
-    ValueError: as :func:`scale_by_kfac`.
+    TypeError, ValueError: as :func:`scale_by_kfac`, and for the settings as :func:`thor`.
   """
-  _check_settings(learning_rate, damping, momentum, weight_decay)
+  _check_settings("kfac", learning_rate, damping, momentum, weight_decay)
   return _guarded(skip_not_finite, optax.chain(
       _preconditioner(transform.scale_by_kfac(
           damping, ema_decay=ema_decay, block_size=block_size, pi_damping=pi_damping,
@@ -394,9 +401,9 @@ def skfac(
     and optionally ``gradient_stats=`` on every step (see :func:`thor`).
 
   Raises:
-    ValueError: as :func:`scale_by_kfac`.
+    TypeError, ValueError: as :func:`scale_by_kfac`, and for the settings as :func:`thor`.
   """
-  _check_settings(learning_rate, damping, momentum, weight_decay)
+  _check_settings("skfac", learning_rate, damping, momentum, weight_decay)
   return _guarded(skip_not_finite, optax.chain(
       _preconditioner(transform.scale_by_kfac(
           damping, ema_decay=None, block_size=block_size,
@@ -463,9 +470,9 @@ def kaisa(
     an ``optax.GradientTransformationExtraArgs``.
 
   Raises:
-    ValueError: as :func:`scale_by_kfac`.
+    TypeError, ValueError: as :func:`scale_by_kfac`, and for the settings as :func:`thor`.
   """
-  _check_settings(learning_rate, damping, momentum, weight_decay)
+  _check_settings("kaisa", learning_rate, damping, momentum, weight_decay)
   pre = transform.scale_by_kfac(damping, ema_decay=ema_decay, block_size=block_size,
                                 min_relative_damping=min_relative_damping,
                                 inverse_method="eigh", inverse_power=inverse_power,
@@ -533,13 +540,13 @@ def spngd(
     an ``optax.GradientTransformationExtraArgs``.
 
   Raises:
-    ValueError: as :func:`scale_by_kfac`.
+    TypeError, ValueError: as :func:`scale_by_kfac`, and for the settings as :func:`thor`.
   """
+  _check_settings("spngd", learning_rate, damping, momentum)
   tail = [*_momentum_sgd(learning_rate, momentum, nesterov, debias_momentum),
           *_step_clip(max_update_ratio, layers)]
   if rescale_weights:
     tail.append(weight_rescaling.rescale_weight_norms())
-  _check_settings(learning_rate, damping, momentum)
   return _guarded(skip_not_finite, optax.chain(
       _preconditioner(transform.scale_by_kfac(
           damping, ema_decay=ema_decay, block_size=block_size, pi_damping=True, max_pi=max_pi,
@@ -549,20 +556,48 @@ def spngd(
       *tail))
 
 
+def _check_steps(where: str, name: str, value: Any) -> None:
+  """A number of steps: an int (Python or numpy) ``>= 1``."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"thor_optax.{where}: {name} must be an int >= 1 (steps), got "
+                    f"{type(value).__name__} {value!r}.")
+  if value < 1:
+    raise ValueError(f"thor_optax.{where}: {name} must be >= 1 (steps), got {value!r}; with 0 "
+                     f"the schedule would be constant.")
+
+
 def thor_learning_rate_schedule(init_value: float, decay_steps: int, power: float,
                                 end_value: float = 0.0) -> optax.Schedule:
   """THOR's polynomial learning-rate decay ``lr(s) = (lr_0 - lr_end)(1 - s/S)^p + lr_end``.
 
   Args:
-    init_value: ``lr_0``.
-    decay_steps: ``S``, steps until ``end_value`` (MindSpore: ``lr_end_epoch * steps/epoch``).
-    power: ``p`` (MindSpore ResNet-50: ``lr_decay`` = 4.08 to 6).
-    end_value: ``lr_end``.
+    init_value: ``lr_0``, finite and ``>= 0``.
+    decay_steps: ``S``, an int ``>= 1``: steps until ``end_value`` (MindSpore:
+      ``lr_end_epoch * steps/epoch``).
+    power: ``p``, finite and ``>= 0`` (MindSpore ResNet-50: ``lr_decay`` = 4.08 to 6).
+    end_value: ``lr_end``, finite and ``>= 0``.
 
   Returns:
     an optax schedule (``optax.polynomial_schedule``).
+
+  Raises:
+    TypeError: if a value is not a number (a string, ``None``), or ``decay_steps`` not an int.
+    ValueError: if a number is out of its range above (negative, NaN, infinite; ``decay_steps
+      < 1``, which would make the schedule constant).
+
+  Source: Chen et al., "THOR", AAAI 2021, its ResNet-50 recipe as MindSpore publishes it
+  (``models: official/cv/ResNet/src/lr_generator.py``, ``get_thor_lr``: ``lr_init (1 -
+  epoch / lr_end_epoch)^lr_decay``; the recipe's two late halvings are left out).
   """
-  return optax.polynomial_schedule(init_value, end_value, power, decay_steps)
+  where = "thor_learning_rate_schedule"
+  finite_non_negative = lambda v: 0 <= v < math.inf
+  static_args.check_number(where, "init_value", init_value, finite_non_negative,
+                           "finite and >= 0")
+  _check_steps(where, "decay_steps", decay_steps)
+  static_args.check_number(where, "power", power, finite_non_negative, "finite and >= 0")
+  static_args.check_number(where, "end_value", end_value, finite_non_negative,
+                           "finite and >= 0")
+  return optax.polynomial_schedule(init_value, end_value, power, int(decay_steps))
 
 
 def thor_damping_schedule(init_value: float, decay_rate: float,
@@ -570,11 +605,26 @@ def thor_damping_schedule(init_value: float, decay_rate: float,
   """THOR's exponential damping decay ``lambda(s) = lambda_0 * decay_rate^(s / decay_steps)``.
 
   Args:
-    init_value: ``lambda_0`` (MindSpore ResNet-50: 0.03).
-    decay_rate: factor per ``decay_steps`` (MindSpore: 0.87 or 0.5 per 10 epochs).
-    decay_steps: steps per decay period (MindSpore: 10 epochs).
+    init_value: ``lambda_0``, finite and ``> 0`` (MindSpore ResNet-50: 0.03).
+    decay_rate: factor per ``decay_steps``, finite and ``> 0`` (MindSpore: 0.87 or 0.5 per
+      10 epochs).
+    decay_steps: steps per decay period, an int ``>= 1`` (MindSpore: 10 epochs).
 
   Returns:
     an optax schedule (``optax.exponential_decay``, not staircased).
+
+  Raises:
+    TypeError: if a value is not a number (a string, ``None``), or ``decay_steps`` not an int.
+    ValueError: if a number is out of its range above (zero or negative, NaN, infinite;
+      ``decay_steps < 1``, which would make the schedule constant).
+
+  Source: Chen et al., "THOR", AAAI 2021, its ResNet-50 recipe as MindSpore publishes it
+  (``models: official/cv/ResNet/src/lr_generator.py``, ``get_thor_damping``:
+  ``damping_init * damping_decay^(epoch / 10)``).
   """
-  return optax.exponential_decay(init_value, decay_steps, decay_rate)
+  where = "thor_damping_schedule"
+  finite_positive = lambda v: 0 < v < math.inf
+  static_args.check_number(where, "init_value", init_value, finite_positive, "finite and > 0")
+  static_args.check_number(where, "decay_rate", decay_rate, finite_positive, "finite and > 0")
+  _check_steps(where, "decay_steps", decay_steps)
+  return optax.exponential_decay(init_value, int(decay_steps), decay_rate)

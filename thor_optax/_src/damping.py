@@ -40,10 +40,14 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from thor_optax._src import static_args
 
 
 def split_damping(tr_a: jax.Array, dim_a: int, tr_g: jax.Array, dim_g: int,
@@ -193,26 +197,30 @@ class FactoredDamping:
   its clip, ``min_relative_damping`` the floor ``rho`` of the module docstring.
 
   Raises:
-    ValueError: if ``min_relative_damping`` is a Python number that is negative or not finite,
-      or ``max_pi`` one below 1 or not finite.
+    TypeError: if ``pi_damping`` is not a bool (a string such as ``'False'`` is truthy), or
+      ``max_pi`` or ``min_relative_damping`` is not a number (``max_pi``: or ``None``).
+    ValueError: if ``min_relative_damping`` is a number (Python, numpy, 0-d array) that is
+      negative or not finite, or ``max_pi`` one below 1 or not finite.
   """
 
   provides: frozenset[str] = frozenset()
 
   def __init__(self, pi_damping: bool, min_relative_damping: float = 0.0,
-               max_pi: Any = None):
+               max_pi: Any = None, where: str = "scale_by_thor"):
+    if not isinstance(pi_damping, (bool, np.bool_)):
+      raise TypeError(f"thor_optax.{where}: pi_damping must be True or False, got "
+                      f"{type(pi_damping).__name__} {pi_damping!r}.")
     self.pi_damping = bool(pi_damping)
-    if isinstance(max_pi, (int, float)) and not 1.0 <= max_pi < float("inf"):
-      raise ValueError(f"max_pi must be finite and >= 1 (None: no clip of pi; 1: the equal "
-                       f"split), got {max_pi!r}.")
+    static_args.check_number(where, "max_pi", max_pi, lambda v: 1.0 <= v < math.inf,
+                             "finite and >= 1", optional=True,
+                             advice="None: no clip of pi; 1: the equal split.")
     self.max_pi = max_pi
-    if (isinstance(min_relative_damping, (int, float))
-        and not 0.0 <= min_relative_damping < float("inf")):
-      raise ValueError(f"min_relative_damping must be finite and >= 0 (0: no floor), got "
-                       f"{min_relative_damping!r}.")
+    static_args.check_number(where, "min_relative_damping", min_relative_damping,
+                             lambda v: 0.0 <= v < math.inf, "finite and >= 0",
+                             advice="0: no floor.")
     # A Python float, or a scalar array under optax.inject_hyperparams.
     self.min_relative_damping = min_relative_damping
-    self.requires = frozenset({"factored damping"} if pi_damping else ())
+    self.requires = frozenset({"factored damping"} if self.pi_damping else ())
 
   def describe(self) -> str:
     return f"pi_damping={self.pi_damping}"

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from thor_optax._src import explicit
+from thor_optax._src import static_args
 from thor_optax._src import stats as stats_lib
 
 
@@ -135,8 +136,18 @@ def skip_not_finite(inner: optax.GradientTransformation
   read ``notfinite_count`` (e.g. ``optax.tree_utils.tree_get(opt_state, 'notfinite_count')``)
   to stop a run whose steps keep failing.
 
-  Source: ``optax.apply_if_finite`` (its state and semantics), extended to the update.
+  Raises:
+    TypeError: at construction, if ``inner`` is not an optax transformation (e.g. the
+      constructor ``optax.sgd`` itself, not called); in ``update``, if the state is not the
+      ``optax.ApplyIfFiniteState`` that ``init`` returned (``None``, or the parameters passed
+      in its place: ``update(grads, opt_state, params)`` in this order).
+
+  Source: ``optax.apply_if_finite`` (its state and semantics), extended to the update, so that
+  it also catches what the second-order step adds: non-finite curvature statistics, damping
+  or damped inverses of the preconditioners (THOR, Chen et al., AAAI 2021; K-FAC, Martens &
+  Grosse, ICML 2015, section 6.3 for the damping).
   """
+  static_args.check_transform("skip_not_finite", "inner", inner)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -145,6 +156,9 @@ def skip_not_finite(inner: optax.GradientTransformation
         total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
+    static_args.check_state("skip_not_finite", state,
+                            ("notfinite_count", "total_notfinite", "inner_state"),
+                            "optax.ApplyIfFiniteState")
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
     finite = _gradient_finite(updates, extra_args.get("gradient_stats")) & all_finite(new_updates)
     inner_state = _keep_if(finite, new_inner, state.inner_state)

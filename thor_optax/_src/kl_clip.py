@@ -19,12 +19,14 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from thor_optax._src import static_args
 from thor_optax._src import stats as stats_lib
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
@@ -130,15 +132,24 @@ def scale_by_kl_clip(
     an ``optax.GradientTransformationExtraArgs`` with state :class:`KLClipState`.
 
   Raises:
-    ValueError: if ``max_kl`` is a Python number that is not positive (at construction).
+    TypeError: at construction, if ``preconditioner`` is not an optax transformation (e.g. the
+      constructor itself, not called, or the arguments swapped), or ``learning_rate`` or
+      ``max_kl`` is not a number (or a schedule, for the rate); in ``update``, if the state is
+      not a :class:`KLClipState` (``None``, or the parameters in its place).
+    ValueError: at construction, if ``max_kl`` is a number (Python, numpy, 0-d array) that is
+      not positive, or ``learning_rate`` one that is negative or not finite.
 
   References:
     Pauloski et al., "KAISA", SC 2021 (kfac-pytorch ``kl_clip``); Ba, Grosse & Martens,
     "Distributed Second-Order Optimization using Kronecker-Factored Approximations",
     ICLR 2017 (KL-clipping).
   """
-  if isinstance(max_kl, (int, float)) and not max_kl > 0:
-    raise ValueError(f"max_kl must be positive, got {max_kl!r} (use no KL clip instead).")
+  static_args.check_transform("scale_by_kl_clip", "preconditioner", preconditioner)
+  static_args.check_number("scale_by_kl_clip", "learning_rate", learning_rate,
+                           lambda v: 0 <= v < math.inf, "finite and >= 0", schedule=True)
+  static_args.check_number("scale_by_kl_clip", "max_kl", max_kl, lambda v: v > 0, "positive",
+                           advice="For no KL clip use the preconditioner without this wrapper "
+                           "(the aliases: max_kl=None).")
   inner = optax.with_extra_args_support(preconditioner)
 
   def init_fn(params):
@@ -146,6 +157,7 @@ def scale_by_kl_clip(
                        scale=jnp.ones([], jnp.float32))
 
   def update_fn(updates, state, params=None, **extra_args):
+    static_args.check_state("scale_by_kl_clip", state, ("count", "inner_state"), "KLClipState")
     from_rows = {}  # <u, g> of the layers the preconditioner took from their rows
     if getattr(extra_args.get("gradient_stats"), "exact_rows", ()):
       extra_args = {**extra_args, "inner_products": from_rows}

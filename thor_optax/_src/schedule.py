@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 from typing import Any, Callable, NamedTuple, Union
 
 import jax
+import numpy as np
 import optax
+
+from thor_optax._src import static_args
 
 Interval = Union[int, Callable[[int], float]]
 
@@ -31,23 +35,43 @@ def growing_interval(start: int, end: int, transition_steps: int) -> optax.Sched
   """THOR's growing check interval: geometric from ``start`` to ``end`` steps.
 
   Args:
-    start: interval (in steps) at step 0, ``>= 1``.
-    end: interval (in steps) reached after ``transition_steps`` and kept after, ``>= start``.
-    transition_steps: steps over which the interval grows.
+    start: interval (in steps) at step 0, finite and ``>= 1``.
+    end: interval (in steps) reached after ``transition_steps`` and kept after, finite and
+      ``>= start``.
+    transition_steps: steps over which the interval grows, finite and ``>= 1``.
 
   Returns:
     an optax schedule ``step -> interval`` (float; :class:`CheckSchedule` rounds it).
 
   Raises:
-    ValueError: on ``start < 1``, ``end < start`` or ``transition_steps < 1``.
+    TypeError: if an argument is not a number (Python or numpy; a string, ``None``, a bool).
+    ValueError: on ``start < 1``, ``end < start``, ``transition_steps < 1``, or an argument
+      that is NaN or infinite.
+
+  Source: Chen et al., "THOR", AAAI 2021 (the update interval grows over training; the paper
+  gives no formula, geometric growth is ours); MindSpore's fixed ``frequency`` is
+  ``start == end``.
   """
-  if start < 1 or end < start or transition_steps < 1:
+  values = []
+  for name, value in (("start", start), ("end", end), ("transition_steps", transition_steps)):
+    number = static_args.real_value(value)
+    if number is None:
+      raise TypeError(f"thor_optax.growing_interval: {name} must be a number of steps, got "
+                      f"{type(value).__name__} {value!r}.")
+    values.append(number)
+  first, last, steps = values
+  if not (all(math.isfinite(v) for v in values) and 1 <= first <= last and steps >= 1):
     raise ValueError(
-        f"growing_interval needs 1 <= start <= end and transition_steps >= 1, got start={start}, "
-        f"end={end}, transition_steps={transition_steps}")
+        f"thor_optax.growing_interval needs finite 1 <= start <= end and transition_steps >= 1, "
+        f"got start={start}, end={end}, transition_steps={transition_steps}")
   return optax.exponential_decay(
-      init_value=float(start), transition_steps=transition_steps,
-      decay_rate=float(end) / float(start), end_value=float(end))
+      init_value=first, transition_steps=int(steps) if steps.is_integer() else steps,
+      decay_rate=last / first, end_value=last)
+
+
+def _is_int(value: Any) -> bool:
+  """A Python or numpy int, not a bool."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 class CheckSchedule:
@@ -64,7 +88,13 @@ class CheckSchedule:
       share of the training time whatever ``interval`` says.
 
   Raises:
-    ValueError: if a fixed interval or ``min_interval`` is smaller than 1.
+    TypeError: if ``interval`` is neither an int (Python or numpy) nor a callable (a bool, a
+      float, a string), or ``min_interval`` is not an int.
+    ValueError: if a fixed interval or ``min_interval`` is smaller than 1; when a step is
+      queried, if the schedule returns a value that is not a finite number (NaN, infinite).
+
+  Source: Chen et al., "THOR", AAAI 2021 (a growing update interval); MindSpore
+  ``train/train_thor/model_thor.py`` (fixed ``frequency``: one check, ``N - 1`` plain steps).
 
   Example::
 
@@ -73,23 +103,39 @@ class CheckSchedule:
   """
 
   def __init__(self, interval: Interval, min_interval: int = 1):
-    if isinstance(interval, int):
+    if _is_int(interval):
       if interval < 1:
-        raise ValueError(f"check interval must be >= 1 step, got {interval}")
-      fixed = interval
+        raise ValueError(f"thor_optax.CheckSchedule: check interval must be >= 1 step, got "
+                         f"{interval}")
+      fixed = int(interval)
       self._interval = lambda step: fixed
     elif callable(interval):
       self._interval = interval
     else:
-      raise TypeError(f"interval must be an int or a callable of the step, got {interval!r}")
-    if int(min_interval) < 1:
-      raise ValueError(f"min_interval must be >= 1 step, got {min_interval}")
+      raise TypeError(f"thor_optax.CheckSchedule: interval must be an int or a callable of the "
+                      f"step (e.g. growing_interval(...)), got {type(interval).__name__} "
+                      f"{interval!r}")
+    if not _is_int(min_interval):
+      raise TypeError(f"thor_optax.CheckSchedule: min_interval must be an int >= 1 (steps), "
+                      f"got {type(min_interval).__name__} {min_interval!r}")
+    if min_interval < 1:
+      raise ValueError(f"thor_optax.CheckSchedule: min_interval must be >= 1 step, got "
+                       f"{min_interval}")
     self.min_interval = int(min_interval)
     self._steps = [0]
 
   def interval(self, step: int) -> int:
-    """The interval, in steps, that follows a check at ``step``."""
-    return max(self.min_interval, int(round(float(self._interval(step)))))
+    """The interval, in steps, that follows a check at ``step``.
+
+    Raises:
+      ValueError: if the schedule's value is not a finite number.
+    """
+    value = self._interval(step)
+    number = static_args.real_value(value)
+    if number is None or not math.isfinite(number):
+      raise ValueError(f"thor_optax.CheckSchedule: the interval schedule returned {value!r} at "
+                       f"step {step}; it must return a finite number of steps.")
+    return max(self.min_interval, int(round(number)))
 
   def _extend(self, step: int) -> None:
     while self._steps[-1] < step:
@@ -118,6 +164,13 @@ class CurvatureBudget(NamedTuple):
     share: the largest share of the training FLOPs the checks' extra cost may take.
     min_interval: the shortest check interval, in steps, that keeps the share within
       ``share`` (pass it to :class:`CheckSchedule`).
+
+  Raises:
+    ValueError: ``spent``, for an ``interval`` that is not a number ``>= 1`` (the tuple itself
+      is built by :func:`curvature_budget`, which validates ``share``).
+
+  Source: this project (issue 15); it bounds the cost of THOR's growing interval (Chen et al.,
+  AAAI 2021) and of KAISA's factor-update period (Pauloski et al., SC 2021) from below.
   """
 
   check_flops: float
@@ -128,6 +181,10 @@ class CurvatureBudget(NamedTuple):
   def spent(self, interval: int) -> float:
     """The share of the FLOPs the checks' extra cost takes at a check every ``interval``
     steps: ``(C - P) / (interval P + C - P)``."""
+    number = static_args.real_value(interval)
+    if number is None or not number >= 1:
+      raise ValueError(f"thor_optax.CurvatureBudget.spent: interval must be a number of steps "
+                       f">= 1, got {interval!r}")
     extra = max(self.check_flops - self.plain_flops, 0.0)
     return extra / (interval * self.plain_flops + extra)
 
@@ -186,13 +243,19 @@ def curvature_budget(check_step: Any, plain_step: Any, share: float) -> Curvatur
 
   Raises:
     ValueError: if ``share`` is not in ``(0, 1)``, or XLA reports no FLOPs for a step.
-    TypeError: if a step is not a compiled or lowered function.
+    TypeError: if ``share`` is not a number (a string), or a step is not a compiled or lowered
+      function.
 
   Source: this project (issue 15); THOR's growing interval (Chen et al., AAAI 2021) runs above
   this floor.
   """
-  if not 0.0 < share < 1.0:
-    raise ValueError(f"curvature_budget: share must be in (0, 1), got {share}")
+  number = static_args.real_value(share)
+  if number is None:
+    raise TypeError(f"thor_optax.curvature_budget: share must be a number in (0, 1), got "
+                    f"{type(share).__name__} {share!r}")
+  if not 0.0 < number < 1.0:
+    raise ValueError(f"thor_optax.curvature_budget: share must be in (0, 1), got {share!r}")
+  share = number
   check, plain = _flops(check_step, "check_step"), _flops(plain_step, "plain_step")
   extra = max(check - plain, 0.0)
   interval = max(1, math.ceil(extra * (1.0 - share) / (share * plain) - 1e-9))

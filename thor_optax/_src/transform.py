@@ -56,7 +56,9 @@ References:
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import math
 import numbers
 from typing import Any, NamedTuple, Optional, Union
 
@@ -201,8 +203,9 @@ class Curvature:
 
   Raises:
     ValueError: if a piece needs what no other piece provides (naming both), or on an invalid
-      ``damping``, ``refresh_buckets`` or ``axis_name``, or both ``axis_name`` and
-      ``block_sharding``.
+      ``refresh_buckets`` or ``axis_name``, or both ``axis_name`` and ``block_sharding``
+      (``damping``, ``dtype`` and ``trace_thresholds`` are checked by the constructors,
+      :func:`_check_arguments`).
   """
 
   damping_schedule: ScalarOrSchedule
@@ -235,8 +238,6 @@ class Curvature:
           "run inside the mapped axis that axis_name names (jax.pmap). Under pmap every replica "
           "inverts every block due; to divide that work, jit the step on a mesh with sharded "
           "arrays instead (README, 'Scaling out').")
-    if isinstance(self.damping_schedule, (int, float)) and not self.damping_schedule > 0:
-      raise ValueError(f"damping must be positive, got {self.damping_schedule}")
     if (isinstance(self.num_buckets, bool) or not isinstance(self.num_buckets, numbers.Integral)
         or self.num_buckets < 1):
       raise ValueError(
@@ -392,8 +393,51 @@ def _reject_step(ok: jax.Array, updates: Any, state: KroneckerState,
   return _nan_unless(ok, updates), state
 
 
-def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtraArgs:
-  """The transform of a set of pieces: ``update(..., curvature_stats=)`` runs a check step."""
+def _check_arguments(where: str, damping: Any, dtype: Any,
+                     trace_thresholds: Any = (0.0, 0.0)) -> None:
+  """The constructors' checks of ``damping``, ``dtype`` and ``trace_thresholds``.
+
+  Raises:
+    TypeError: ``damping`` neither a number nor a schedule (a string, ``None``);
+      ``trace_thresholds`` not a pair of numbers.
+    ValueError: ``damping`` a number (Python, numpy, 0-d array) that is not finite and
+      positive; ``dtype`` not a floating-point dtype; ``trace_thresholds`` of another length,
+      or with an entry negative or not finite.
+  """
+  static_args.check_number(where, "damping", damping, lambda v: 0 < v < math.inf,
+                           "finite and > 0", schedule=True)
+  if dtype is not None:
+    try:
+      floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise ValueError(
+          f"thor_optax.{where}: dtype must be None or a floating-point dtype (jnp.float32, "
+          f"jnp.float64, jnp.bfloat16) for the factors and inverses, got {dtype!r}.")
+  if isinstance(trace_thresholds, (str, bytes)) or not isinstance(
+      trace_thresholds, collections.abc.Sequence):
+    raise TypeError(
+        f"thor_optax.{where}: trace_thresholds must be a pair (omega1, omega2), e.g. (0.01, 0.0) "
+        f"(THOR) or (0.0, 0.0) (every block at every check), got "
+        f"{type(trace_thresholds).__name__} {trace_thresholds!r}.")
+  if len(trace_thresholds) != 2:
+    raise ValueError(
+        f"thor_optax.{where}: trace_thresholds must be a pair (omega1, omega2) with 0 <= omega2 "
+        f"<= omega1, e.g. (0.01, 0.0), got {len(trace_thresholds)} values "
+        f"{tuple(trace_thresholds)!r}.")
+  for name, value in zip(("trace_thresholds[0] (omega1)", "trace_thresholds[1] (omega2)"),
+                         trace_thresholds):
+    static_args.check_number(where, name, value, lambda v: 0 <= v < math.inf,
+                             "finite and >= 0")
+
+
+def kronecker_preconditioner(cfg: Curvature, name: str = "scale_by_thor"
+                             ) -> optax.GradientTransformationExtraArgs:
+  """The transform of a set of pieces: ``update(..., curvature_stats=)`` runs a check step.
+
+  ``name`` (the constructor's) heads the messages of ``update``'s errors.
+  """
 
   def init_fn(params):
     if _is_params_placeholder(params):
@@ -405,7 +449,10 @@ def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtr
     # curvature_stats: a check step; gradient_stats: a plain step from the rows (sample space);
     # inner_products: a dict the layers preconditioned from their rows report <u, g> in (for
     # scale_by_kl_clip, which then need not form their gradients).
-    del params, extra_args
+    del params
+    static_args.check_update_keywords(name, extra_args)
+    static_args.check_state(name, state, ("count", "blocks", "layers", "diagnostics"),
+                            "KroneckerState")
     layout = cfg.layout(updates)
     _check_state_matches(layout, state, cfg)
     given = state
@@ -427,8 +474,12 @@ def kronecker_preconditioner(cfg: Curvature) -> optax.GradientTransformationExtr
                                             check_lib.state_dtype(state), rows, num_loss_terms,
                                             inner_products if rows else None)
     state = jax.tree.map(explicit.reshard_like, state, given)
-    if not isinstance(lam, (int, float)):  # a schedule's or a traced value: checked here
-      updates, state = _reject_step(jnp.isfinite(lam) & (lam > 0), updates, state, given)
+    if callable(cfg.damping_schedule) or not isinstance(lam, numbers.Real):
+      # A schedule's value (a Python float too) or a traced one: checked here (a constant
+      # number was checked at construction).
+      lam_value = jnp.asarray(lam)
+      updates, state = _reject_step(jnp.isfinite(lam_value) & (lam_value > 0), updates, state,
+                                    given)
     if stats_finite is not None:
       # Statistics that are not finite refreshed nothing (their blocks kept their inverses);
       # the update says so, so that a guard skips the step without reading them again.
@@ -638,9 +689,17 @@ def scale_by_thor(
     the layout it was given (see :func:`thor_optax.kronecker_state_sharding`).
 
   Raises:
-    TypeError: in ``update``, when ``gradient_stats`` is not a ``CurvatureStats``.
+    TypeError: at construction, when ``damping`` is neither a number nor a schedule (a string,
+      ``None``), ``trace_thresholds`` is not a pair of numbers or ``pi_damping`` not a bool; in
+      ``update``, when ``gradient_stats`` is not a ``CurvatureStats``, or the state is not a
+      :class:`KroneckerState` (``None``, or the parameters in its place).
     ValueError: on invalid hyperparameters or combinations (at construction, e.g. an
-      ``axis_name`` that is not a string or tuple of strings); in ``update``,
+      ``axis_name`` that is not a string or tuple of strings, a ``dtype`` that is not
+      floating-point, a number out of its range: checked alike for Python and numpy scalars
+      and 0-d arrays, while values traced by ``optax.inject_hyperparams`` pass); in
+      ``update``, for a keyword that misspells ``curvature_stats`` or ``gradient_stats``
+      (``curvature_stat=``, ``stats=``: other unknown keywords are left to the other members
+      of a chain), or
       when statistics (``curvature_stats`` or ``gradient_stats``) name a layer with no weights
       in the gradients, do not fit a layer's
       weights (the message names the layer path and the expected shape), have more rows than
@@ -659,6 +718,7 @@ def scale_by_thor(
     Osawa et al., "Scalable and Practical Natural Gradient", TPAMI 2020 (data-parallel
     Kronecker factors and unit-wise Fisher, reduced across processes): ``axis_name``.
   """
+  _check_arguments("scale_by_thor", damping, dtype, trace_thresholds)
   return kronecker_preconditioner(Curvature(
       damping_schedule=damping, block_size=block_size,
       method=inverses.make(inverse_method, woodbury_rows, inverse_power),
@@ -667,7 +727,7 @@ def scale_by_thor(
       damping=damping_lib.FactoredDamping(pi_damping, min_relative_damping, max_pi),
       sampling=conv.ConvSampling(conv_statistics, spatial_samples),
       subsample_key=subsample_key, num_buckets=refresh_buckets, dtype=dtype,
-      block_sharding=block_sharding, axis_name=axis_name, layers=layers))
+      block_sharding=block_sharding, axis_name=axis_name, layers=layers), "scale_by_thor")
 
 
 def scale_by_kfac(
@@ -736,6 +796,7 @@ def scale_by_kfac(
     KAISA, SC 2021 (eigh, decoupled periods); Osawa et al., SP-NGD, TPAMI 2020, section
     "Adaptive frequency to refresh statistics" (rule above: our reading of it).
   """
+  _check_arguments("scale_by_kfac", damping, dtype)
   if isinstance(max_refresh_interval, numbers.Integral) and max_refresh_interval < 1:
     raise ValueError(f"max_refresh_interval must be >= 1, got {max_refresh_interval}")
   return kronecker_preconditioner(Curvature(
@@ -744,7 +805,9 @@ def scale_by_kfac(
       policy=(every_check.EveryCheck() if adaptive_refresh is None
               else adaptive.Adaptive(adaptive_refresh, max_refresh_interval)),
       accumulator=_accumulator(ema_decay, inverse_period, adaptive_refresh),
-      damping=damping_lib.FactoredDamping(pi_damping, min_relative_damping, max_pi),
+      damping=damping_lib.FactoredDamping(pi_damping, min_relative_damping, max_pi,
+                                          "scale_by_kfac"),
       sampling=conv.ConvSampling(conv_statistics, spatial_samples),
       subsample_key=subsample_key, num_buckets=1 if adaptive_refresh is None else 4,
-      dtype=dtype, block_sharding=block_sharding, axis_name=axis_name, layers=layers))
+      dtype=dtype, block_sharding=block_sharding, axis_name=axis_name, layers=layers),
+      "scale_by_kfac")

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import optax
 
 from thor_optax._src import blocks
+from thor_optax._src import static_args
 from thor_optax._src import stats as stats_lib
 
 
@@ -83,17 +84,24 @@ def clip_by_weight_ratio(max_ratio: Any, eps_rms: float = 1e-2, layers: Optional
     an ``optax.GradientTransformation``; ``update`` needs ``params``.
 
   Raises:
-    ValueError: ``max_ratio`` a Python number that is not finite and positive, or ``eps_rms``
-      negative or not finite (at construction); ``params`` missing (at ``update``).
+    TypeError: ``max_ratio`` or ``eps_rms`` not a number (a string, ``None``; at construction).
+    ValueError: ``max_ratio`` a number (Python, numpy, 0-d array) that is not finite and
+      positive, ``eps_rms`` one negative or not finite, or ``layers`` neither ``None`` nor
+      :class:`thor_optax.CapturedLayers` (at construction); ``params`` missing (at
+      ``update``).
 
   Source: module docstring (a layer-wise trust region as in LARS, You et al. 2017).
   """
-  if isinstance(max_ratio, (int, float)) and not 0 < max_ratio < math.inf:
-    raise ValueError(f"thor_optax.clip_by_weight_ratio: max_ratio must be finite and > 0, got "
-                     f"{max_ratio!r}; pass None to the alias's max_update_ratio for no clip.")
-  if not 0 <= eps_rms < math.inf:
-    raise ValueError(f"thor_optax.clip_by_weight_ratio: eps_rms must be finite and >= 0, got "
-                     f"{eps_rms!r}.")
+  static_args.check_number("clip_by_weight_ratio", "max_ratio", max_ratio,
+                           lambda v: 0 < v < math.inf, "finite and > 0",
+                           advice="Pass None to the alias's max_update_ratio for no clip.")
+  static_args.check_number("clip_by_weight_ratio", "eps_rms", eps_rms,
+                           lambda v: 0 <= v < math.inf, "finite and >= 0")
+  if layers is not None and not isinstance(layers, stats_lib.CapturedLayers):
+    raise ValueError(
+        f"thor_optax.clip_by_weight_ratio: layers must be None or "
+        f"thor_optax.captured_layers(stats), got {type(layers).__name__}; build it from the "
+        f"statistics of one capture.")
 
   def update_fn(updates, state, params=None):
     if params is None:

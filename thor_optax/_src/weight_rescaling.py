@@ -22,10 +22,12 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from thor_optax._src import blocks
 from thor_optax._src import layers as layers_lib
+from thor_optax._src import static_args
 from thor_optax._src import stats as stats_lib
 
 
@@ -72,13 +74,20 @@ def rescale_weight_norms(
     a stateless ``optax.GradientTransformation`` (state ``optax.EmptyState``).
 
   Raises:
-    ValueError: in ``update``, if ``params`` is ``None``, or if ``max_norm`` returns a Python
-      number that is not positive.
+    TypeError: at construction, if ``max_norm`` is neither ``None`` nor callable (a number:
+      pass ``lambda shape: c``); in ``update``, if it returns no number.
+    ValueError: in ``update``, if ``params`` is ``None``, or if ``max_norm`` returns a number
+      (Python, numpy, 0-d array) that is not positive.
 
   References:
     Osawa et al., "Scalable and Practical Natural Gradient", TPAMI 2020; chainerkfac
     ``NormalizeWeightUR``.
   """
+  if max_norm is not None and not callable(max_norm):
+    raise TypeError(
+        f"thor_optax.rescale_weight_norms: max_norm must be None or a function shape -> cap, "
+        f"got {type(max_norm).__name__} {max_norm!r}; for one cap c of every kernel pass "
+        f"lambda shape: c.")
   cap_of = he_norm if max_norm is None else max_norm
 
   def init_fn(params):
@@ -90,9 +99,15 @@ def rescale_weight_norms(
       return update
     shape = tuple(int(s) for s in jnp.shape(param))
     cap = cap_of(shape)
-    if isinstance(cap, (int, float)) and not cap > 0:
-      raise ValueError(f"max_norm must return a positive number, got {cap!r} for the kernel "
-                       f"at {jax.tree_util.keystr(path)} of shape {shape}.")
+    number = static_args.real_value(cap)
+    if number is None and not isinstance(cap, (jax.Array, np.ndarray)):
+      raise TypeError(f"thor_optax.rescale_weight_norms: max_norm must return a positive "
+                      f"number, got {type(cap).__name__} {cap!r} for the kernel at "
+                      f"{jax.tree_util.keystr(path)} of shape {shape}.")
+    if number is not None and not number > 0:
+      raise ValueError(f"thor_optax.rescale_weight_norms: max_norm must return a positive "
+                       f"number, got {cap!r} for the kernel at {jax.tree_util.keystr(path)} "
+                       f"of shape {shape}.")
     update = jnp.asarray(update)
     param = jnp.asarray(param)
     dtype = jnp.promote_types(jnp.promote_types(param.dtype, update.dtype), jnp.float32)
