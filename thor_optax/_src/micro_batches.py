@@ -76,13 +76,20 @@ def concatenate_stats(*stats: stats_lib.CurvatureStats) -> stats_lib.CurvatureSt
     a :class:`CurvatureStats` equal to the statistics of the concatenated batch (factors average
     over all its examples); ``unhandled`` is the union of the micro-batches' notes,
     ``exact_rows`` the layers exact in every micro-batch and ``num_loss_terms`` their sum (the
-    gradient of the micro-batches' mean loss is ``a^T g / sum M_i``).
+    gradient of the micro-batches' mean loss is ``a^T g / sum M_i``) when ``exact_rows`` is
+    not empty, else 1 (the transforms read it only for layers in ``exact_rows``). A layer's
+    ``num_terms``, if any micro-batch sets it, becomes the sum of the micro-batches' terms.
 
   Raises:
-    TypeError: if a list or tuple of statistics is passed as one argument.
+    TypeError: if a list or tuple of statistics is passed as one argument, or an argument is
+      not a tree of layer statistics (:func:`thor_optax._src.stats.flatten_layer_stats`).
     ValueError: if no statistics are given, the micro-batches' layers differ, or a layer's
       kind, static metadata or per-example shapes differ between micro-batches (the message
       names the layer path).
+
+  Source: Martens & Grosse, K-FAC, ICML 2015 (the factors are expectations over examples, so
+  joining the examples gives the batch's); optax ``MultiSteps`` (the micro-steps it calls
+  ``update`` on).
   """
   if not stats:
     raise ValueError("concatenate_stats needs the statistics of at least one micro-batch.")

@@ -93,6 +93,10 @@ def kronecker_state_sharding(opt_state: Any, mesh: Mesh, block_axis: Optional[st
   Raises:
     ValueError: if ``block_axis`` is not an axis of ``mesh``, or a boxed leaf is sharded over
       an axis that is not in ``mesh``.
+
+  Source: Pauloski et al., "KAISA: An Adaptive Second-Order Optimizer Framework for Deep Neural
+  Networks", SC 2021 (COMM-OPT, MEM-OPT, HYBRID-OPT and ``grad_worker_fraction``); the boxed
+  leaves' shardings are Flax's (the box's ``get_partition_spec``, ``nn.logical_to_mesh_axes``).
   """
   if block_axis is not None and block_axis not in mesh.shape:
     raise ValueError(f"block_axis {block_axis!r} is not an axis of the mesh "

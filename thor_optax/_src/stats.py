@@ -3,8 +3,9 @@
 The capture side (``thor_optax.flax``) knows the model; the transforms know the maths. What
 passes between them is defined here: for every preconditioned layer, the statistics container of
 its layer kind (``layers/*.py``: the layer input ``a`` and the per-example output cotangents
-``g``, plus the static metadata the kind needs to form its Kronecker factors). All classes are pytrees whose arrays are leaves and whose metadata is static,
-so statistics go through ``jax.jit`` as ordinary arguments and results.
+``g``, plus the static metadata the kind needs to form its Kronecker factors). All classes are
+pytrees whose arrays are leaves and whose metadata is static, so statistics go through
+``jax.jit`` as ordinary arguments and results.
 
 References:
   Martens & Grosse, "Optimizing Neural Networks with Kronecker-factored Approximate Curvature",
@@ -62,6 +63,10 @@ class CurvatureStats:
       (``sample_space.py``).
     num_loss_terms: static int, the number of terms ``M`` the loss averages (1 for a summed
       loss); cotangents are ``M`` times the loss's.
+
+  Source: this project (the boundary between capture and transforms); the per-layer ``a`` and
+  ``g`` are K-FAC's (Martens & Grosse, ICML 2015), a convolution's KFC's (Grosse & Martens,
+  ICML 2016).
   """
 
   layers: Mapping[str, Any]
@@ -182,6 +187,8 @@ def captured_mask(stats: CurvatureStats | Mapping[str, Any]) -> Callable[[Any], 
 
   Raises:
     TypeError: as :func:`flatten_layer_stats`, if ``stats`` is not a tree of layer statistics.
+
+  Source: this project; the mask is optax's callable-mask form (``optax.masked``).
   """
   names = frozenset(flatten_layer_stats(stats))
 
@@ -231,6 +238,9 @@ def captured_layers(stats: CurvatureStats | Mapping[str, Any]) -> CapturedLayers
 
   Raises:
     TypeError: as :func:`flatten_layer_stats`, if ``stats`` is not a tree of layer statistics.
+
+  Source: this project (what kfac-jax's graph matcher finds by tracing the loss, read here from
+  the statistics of one capture).
   """
   found = []
   for name, layer in sorted(flatten_layer_stats(stats).items()):

@@ -34,6 +34,15 @@ class TrainState(train_state.TrainState):
   Attributes:
     step, apply_fn, params, tx, opt_state: as Flax's ``TrainState``; ``step`` counts calls of
       ``apply_gradients`` (optimizer steps).
+
+  Raises:
+    TypeError: from :meth:`apply_gradients` with statistics, if ``tx`` does not accept
+      ``curvature_stats`` / ``gradient_stats``; ``create`` raises what ``tx.init`` raises.
+    ValueError: from :meth:`apply_gradients`, for statistics that do not fit the parameters
+      (the preconditioner's message names the layer).
+
+  Source: Flax ``flax/training/train_state.py`` (the class it extends); this project adds the
+  statistics keywords.
   """
 
   def apply_gradients(self, *, grads: Any,

@@ -59,6 +59,10 @@ class Claim(NamedTuple):
       convolution, ``feature_group_count=G``): ``a_dim`` and ``g_dim`` are then one group's,
       and every group has its own factors, laid out as a stack of ``G`` layers
       (:attr:`LayerSpec.groups`, :meth:`LayerKind.split_groups`).
+
+  Source: this project; ``a_dim`` and ``g_dim`` are the sizes of K-FAC's ``A`` and ``G``
+  (Martens & Grosse, ICML 2015), ``d_in (+1 for a bias)`` and ``d_out`` of the weight as a
+  matrix.
   """
 
   a_dim: Optional[int]
@@ -72,7 +76,11 @@ class FactorRows(NamedTuple):
 
   Attributes:
     rows: ``(R, d)``; ``R`` (examples x positions x samples) is static.
-    scale: scalar.
+    scale: scalar, in the rows' dtype (``1 / M`` for a dense layer's ``A``).
+
+  Source: K-FAC's ``A = E[a a^T]``, ``G = E[g g^T]`` (Martens & Grosse, ICML 2015) as the rows
+  behind them, so that a factor with fewer rows than its dimension can be inverted in Woodbury
+  form from its rows (SKFAC, Tang et al., CVPR 2021).
   """
 
   rows: jax.Array
@@ -102,6 +110,9 @@ class LayerSpec:
       ``shapes`` are one group's, and :meth:`flat_stack` splits the parameters and statistics
       into the groups with the kind's :meth:`LayerKind.split_groups` (they carry no group
       axis of their own).
+
+  Source: this project; the slots are places in the stacks of uniform diagonal blocks of
+  THOR's hardware-driven split (Chen et al., AAAI 2021).
   """
 
   path: tuple[str, ...]
@@ -221,6 +232,8 @@ class Plan(NamedTuple):
       call is not captured.
     reason: why it is not captured (listed in ``CurvatureStats.unhandled``); ``''`` with
       ``meta=None`` means there is nothing to precondition (no parameters), silently skipped.
+
+  Source: this project.
   """
 
   meta: Optional[dict]
@@ -257,6 +270,13 @@ class LayerKind(abc.ABC):
     integer_inputs: whether the recorded input is integer by nature (an embedding's ids); for
       the other kinds an integer or boolean input (``uint8`` images) is recorded cast to the
       cotangents' float dtype, as Flax casts it before the product.
+
+  Subclassing raises nothing; :func:`thor_optax.register_layer_kind` checks the attributes
+  (``TypeError`` / ``ValueError``), and the methods say what they raise.
+
+  Source: this project, after kfac-jax's ``curvature_blocks`` (one class per layer kind behind
+  one interface); the factors are K-FAC's (Martens & Grosse, ICML 2015), KFC's for
+  convolutions (Grosse & Martens, ICML 2016).
   """
 
   name: str = ""

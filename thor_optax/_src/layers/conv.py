@@ -85,6 +85,10 @@ class ConvStats:
     num_terms: the ``M`` loss terms ``A`` divides by (``'expand'``) when they are not the ``N``
       examples (static): a loss per position (``M = N T``), an ensemble member's share of the
       terms; ``None`` (default): ``N``.
+
+  Source: Grosse & Martens, KFC, ICML 2016 (``A`` from the input's im2col patches, ``G`` from
+  the cotangents at every output position); the settings are those of
+  ``lax.conv_general_dilated``.
   """
 
   inputs: jax.Array
@@ -315,8 +319,35 @@ def _conv_positions(spec: base.LayerSpec, stats: ConvStats, patch_hw: tuple[int,
 
 
 class Conv(base.LayerKind):
-  """``nn.Conv`` / ``nnx.Conv`` with 1, 2 or 3 spatial dimensions and any number of feature
-  groups: a kernel ``(k..., C_in / G, C_out)``."""
+  """The ``'conv'`` kind: ``nn.Conv`` / ``nnx.Conv`` (and their subclasses) with 1, 2 or 3
+  spatial dimensions and ``G`` feature groups, a ``kernel`` ``(k..., C_in / G, C_out)`` and an
+  optional ``bias`` ``(C_out,)``.
+
+  As a matrix, per group, the kernel is ``((C_in / G) prod(k...) (+1), C_out / G)`` (a bias
+  row last): channel-major ``(C_in k_h k_w, C_out)`` in 2-D, row-major in 1-D and 3-D
+  (:meth:`kernel_matrix`). ``A`` is built from the input's im2col patches and ``G`` from the
+  output cotangents at the ``T`` output positions, as :class:`ConvSampling` says (KFC's
+  expand, SKFAC's reduce-sum or spatial subsampling; module docstring). Statistics:
+  :class:`ConvStats`, also those of ``ConvTranspose`` layers. From parameter shapes it
+  claims only a rank-4 kernel, as a 2-D convolution with one group.
+
+  Listed in ``CurvatureStats.unhandled`` instead of captured: masked convolutions,
+  ``'CIRCULAR'`` / ``'REFLECT'`` padding, ``'CAUSAL'`` padding other than 1-D without input
+  dilation, more than 3 spatial dimensions, an input without a batch axis, a layer called more
+  than once per forward pass or inside a loop over its weights, and a subclass overriding
+  ``__call__`` or ``param``.
+
+  Raises:
+    ValueError: naming the layer, at a check step: statistics that are not :class:`ConvStats`,
+      were captured with other spatial dimensions or groups than the layout (laid out from
+      shapes, not ``captured_layers``), are not floating point, or whose inputs, cotangents
+      or ``kernel_size`` do not fit the kernel (:meth:`check_stats`); under
+      ``'reduce_sum'`` / ``'spatial_subsample'``, cotangents over other output positions than
+      the patches', or more positions kept than the output has (:meth:`input_rows`).
+
+  Source: Grosse & Martens, KFC, ICML 2016; Tang et al., SKFAC, CVPR 2021 (reduce-sum,
+  spatial subsampling).
+  """
 
   name = "conv"
   stats_type = ConvStats
@@ -434,9 +465,10 @@ class Conv(base.LayerKind):
     return jnp.transpose(matrix.reshape(cin, kh, kw, cout), (1, 2, 0, 3))
 
   def input_rows(self, spec, stats, dtype, *, sampling=None, key=None) -> base.FactorRows:
-    """Rows of ``A``: ``'expand'`` ``(N T, d)`` and ``1 / N`` (``1 / M`` with ``num_terms``); ``'reduce_sum'`` ``(N, d)``
-    (summed patches, bias entry ``T``) and ``1 / (N T)``; ``'spatial_subsample'`` ``(N s, d)``
-    and ``T / (N s)``, with ``d = C_in prod(k...) (+1)`` (of one group, per group).
+    """Rows of ``A``: ``'expand'`` ``(N T, d)`` and ``1 / N`` (``1 / M`` with ``num_terms``);
+    ``'reduce_sum'`` ``(N, d)`` (summed patches, bias entry ``T``) and ``1 / (N T)``;
+    ``'spatial_subsample'`` ``(N s, d)`` and ``T / (N s)``, with ``d = C_in prod(k...) (+1)``
+    (of one group, per group).
 
     Raises:
       ValueError: if ``'spatial_subsample'`` asks for more positions than the output has, or the

@@ -57,8 +57,31 @@ def transpose_padding(span: int, stride: int, mode: str) -> tuple[int, int]:
 
 
 class ConvTranspose(conv.Conv):
-  """``nn.ConvTranspose`` / ``nnx.ConvTranspose`` (``transpose_kernel=False``), 1-3 spatial
-  dimensions: a convolution of the input dilated by the strides (see the module docstring)."""
+  """The ``'conv_transpose'`` kind: ``nn.ConvTranspose`` / ``nnx.ConvTranspose`` (and their
+  subclasses) with ``transpose_kernel=False`` and 1-3 spatial dimensions, a ``kernel``
+  ``(k..., C_in, C_out)`` and an optional ``bias`` ``(C_out,)``.
+
+  The layer is captured as the convolution it is, of the input dilated by its strides (module
+  docstring): its statistics are :class:`~thor_optax._src.layers.conv.ConvStats` (``strides``
+  ones, ``input_dilation`` the layer's strides, explicit pads), so the kernel matrix
+  ``(C_in prod(k...) (+1), C_out)`` and the factors (``A`` from im2col patches of the dilated
+  input, ``G`` from the output cotangents) are :class:`~thor_optax._src.layers.conv.Conv`'s,
+  which also claims the kernel and checks the statistics: this kind only plans the capture.
+
+  Listed in ``CurvatureStats.unhandled`` instead of captured: ``transpose_kernel=True``, masked
+  kernels, string paddings other than ``'SAME'`` / ``'VALID'`` (``'CIRCULAR'``), pads Flax does
+  not accept, more than 3 spatial dimensions, an input without a batch axis, a layer called
+  more than once per forward pass or inside a loop over its weights, and a subclass
+  overriding ``__call__`` or ``param``.
+
+  Raises:
+    ValueError: as :class:`~thor_optax._src.layers.conv.Conv`, whose checks its statistics go
+      through.
+
+  Source: Grosse & Martens, KFC, ICML 2016 (the factors); Dumoulin & Visin, "A guide to
+  convolution arithmetic for deep learning", 2016 (a transposed convolution as a convolution
+  of the zero-dilated input).
+  """
 
   name = "conv_transpose"
   linen_modules = (nn.ConvTranspose,)

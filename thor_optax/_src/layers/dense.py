@@ -48,6 +48,10 @@ class DenseStats:
       rows that do not regroup to ``M`` (a graph network's nodes under a per-graph loss, a
       language model whose loss drops the last position, an ensemble member's share of the
       terms); ``None`` (default): the leading axis.
+
+  Source: Martens & Grosse, K-FAC, ICML 2015 (``a``, ``g`` and ``A = E[a a^T]``,
+  ``G = E[g g^T]``); Eschenhagen et al., NeurIPS 2023 (positions sharing the weight, ``M``
+  loss terms: K-FAC-expand and -reduce).
   """
 
   inputs: jax.Array
@@ -107,7 +111,31 @@ def where(spec: base.LayerSpec) -> str:
 
 
 class Dense(base.LayerKind):
-  """``nn.Dense`` / ``nnx.Linear``: a rank-2 ``kernel`` ``(d_in, d_out)``, optional ``bias``."""
+  """The ``'dense'`` kind: ``nn.Dense`` / ``nnx.Linear`` (and their subclasses).
+
+  The weight is a rank-2 ``kernel`` ``(d_in, d_out)`` with an optional ``bias`` ``(d_out,)``; as
+  the matrix the factors act on it is the kernel with a bias as an extra last row,
+  ``(d_in (+1), d_out)``. ``A`` sums ``a a^T`` over the ``N T`` input rows (a ones column for
+  the bias) divided by the ``M`` loss terms, ``G`` averages ``g g^T`` over examples and
+  positions, summed over the ``S`` cotangent samples (module docstring). Statistics:
+  :class:`DenseStats`; several calls of one layer in a forward pass join as positions
+  (:meth:`make_shared_stats`), as do a recurrent cell's iterations (K-FAC-reduce). From
+  parameter shapes it claims any rank-2 ``kernel`` whose ``bias``, if any, is ``(d_out,)``.
+
+  Listed in ``CurvatureStats.unhandled`` instead of captured: a call on a 1-D input (a model
+  for one example, ``vmap``-ped over the batch), several calls or loop iterations the capture
+  cannot fold (inside a lifted transform, on different numbers of examples, a stacked layer,
+  ``weight_sharing='expand'`` over a loop), and a subclass overriding ``__call__`` or
+  ``param``.
+
+  Raises:
+    ValueError: at a check step (:meth:`check_stats`), naming the layer, for statistics that
+      are not :class:`DenseStats`, not floating point, whose inputs' last axis is not
+      ``d_in`` or whose cotangents are not ``(S, N, ..., d_out)`` with the inputs' ``N``.
+
+  Source: Martens & Grosse, K-FAC, ICML 2015 (the factors); Grosse & Martens, ICML 2016 and
+  Eschenhagen et al., NeurIPS 2023 (positions sharing the weight).
+  """
 
   name = "dense"
   stats_type = DenseStats

@@ -60,6 +60,10 @@ class DenseGeneralStats:
       rows that do not regroup to ``M`` (a graph network's nodes under a per-graph loss, a
       language model whose loss drops the last position, an ensemble member's share of the
       terms); ``None`` (default): the leading axis.
+
+  Source: Martens & Grosse, K-FAC, ICML 2015 (dense ``a`` and ``g``); Eschenhagen et al.,
+  NeurIPS 2023 (the other input axes as positions sharing the kernel); the flattening is this
+  project's.
   """
 
   inputs: jax.Array
@@ -78,7 +82,30 @@ def _axes(axes, ndim: int) -> tuple[int, ...]:
 
 
 class DenseGeneral(dense.Dense):
-  """``nn.DenseGeneral`` / ``nnx.LinearGeneral``: a kernel ``(contracted..., features...)``."""
+  """The ``'dense_general'`` kind: ``nn.DenseGeneral`` / ``nnx.LinearGeneral`` (and their
+  subclasses), a ``kernel`` ``(contracted..., features...)`` with an optional ``bias``
+  ``(features...)``.
+
+  As a matrix the kernel is ``(d_in (+1), d_out)``, ``d_in`` the product of its ``in_axes``
+  contracted axes and ``d_out`` that of its feature axes (a bias row last); the factors are
+  :class:`~thor_optax._src.layers.dense.Dense`'s over those flattened axes, every other input
+  axis being a position (module docstring). Statistics: :class:`DenseGeneralStats`. From
+  parameter shapes it claims only a kernel of rank >= 3 beside a bias equal to its trailing
+  axes; a kernel without bias needs ``layers=thor_optax.captured_layers(stats)``.
+
+  Listed in ``CurvatureStats.unhandled`` instead of captured: ``batch_dims`` / ``batch_axis``
+  (a kernel per batch index), an ``axis`` that contracts the example axis 0, and, as for
+  :class:`~thor_optax._src.layers.dense.Dense`, several calls or loop iterations the capture
+  cannot fold and a subclass overriding ``__call__`` or ``param``.
+
+  Raises:
+    ValueError: at a check step, naming the layer, for statistics that are not
+      :class:`DenseGeneralStats`, not floating point, whose inputs' last axis is not ``d_in``
+      or whose cotangents are not ``(S, N, ..., d_out)`` with the inputs' ``N``.
+
+  Source: Martens & Grosse, K-FAC, ICML 2015 (the factors); Eschenhagen et al., NeurIPS 2023
+  (K-FAC-expand and -reduce over the positions sharing the kernel).
+  """
 
   name = "dense_general"
   stats_type = DenseGeneralStats

@@ -56,6 +56,9 @@ class EinsumStats:
       rows that do not regroup to ``M`` (a graph network's nodes under a per-graph loss, a
       language model whose loss drops the last position, an ensemble member's share of the
       terms); ``None`` (default): the leading axis.
+
+  Source: Martens & Grosse, K-FAC, ICML 2015 (dense ``a`` and ``g``); Eschenhagen et al.,
+  NeurIPS 2023 (positions sharing the kernel); the permutations are this project's.
   """
 
   inputs: jax.Array
@@ -104,7 +107,32 @@ def parse(equation: str, in_ndim: int, kernel_ndim: int) -> tuple[Optional[dict]
 
 
 class Einsum(dense.Dense):
-  """``nn.Einsum`` / ``nnx.Einsum`` whose equation is a matrix product per position."""
+  """The ``'einsum'`` kind: ``nn.Einsum`` / ``nnx.Einsum`` (and their subclasses) whose
+  ``einsum_str`` is a matrix product of the input by the ``kernel`` at every position, with an
+  optional ``bias`` over the output features.
+
+  As a matrix the kernel, its axes permuted to ``(C..., F...)`` (contracted, then output
+  features), is ``(prod(C) (+1), prod(F))`` (a bias row last); the factors are
+  :class:`~thor_optax._src.layers.dense.Dense`'s over the flattened ``C`` and ``F`` axes, the
+  other input axes being positions (module docstring). Statistics: :class:`EinsumStats`. It
+  claims no kernel from parameter shapes alone (they do not say which axes are contracted):
+  pass ``layers=thor_optax.captured_layers(stats)``.
+
+  Listed in ``CurvatureStats.unhandled`` instead of captured: an ``einsum_str`` given at call
+  time, an equation that is not ``'input,kernel->output'`` or does not fit the input's rank,
+  an ellipsis in the kernel, kernel axes that are also positions, axes summed out of one
+  operand alone, a contraction over the example axis, and, as for
+  :class:`~thor_optax._src.layers.dense.Dense`, several calls or loop iterations the capture
+  cannot fold and a subclass overriding ``__call__`` or ``param``.
+
+  Raises:
+    ValueError: at a check step, naming the layer, for statistics that are not
+      :class:`EinsumStats`, not floating point, whose inputs' last axis is not ``prod(C)`` or
+      whose cotangents are not ``(S, N, ..., prod(F))`` with the inputs' ``N``.
+
+  Source: Martens & Grosse, K-FAC, ICML 2015 (the factors); Eschenhagen et al., NeurIPS 2023
+  (K-FAC-expand and -reduce over the positions sharing the kernel).
+  """
 
   name = "einsum"
   stats_type = EinsumStats

@@ -50,6 +50,9 @@ class EmbedStats:
       rows that do not regroup to ``M`` (a graph network's nodes under a per-graph loss, a
       language model whose loss drops the last position, an ensemble member's share of the
       terms); ``None`` (default): the leading axis.
+
+  Source: Chen et al., THOR, AAAI 2021 (an embedding's diagonal ``A`` from its token counts);
+  Eschenhagen et al., NeurIPS 2023 (a tied embedding's uses as positions sharing the weight).
   """
 
   inputs: jax.Array
@@ -99,7 +102,30 @@ def embedding_frequencies(spec: base.LayerSpec, stats: EmbedStats,
 
 
 class Embed(base.LayerKind):
-  """``nn.Embed`` / ``nnx.Embed``: a rank-2 ``embedding`` ``(vocab, features)``."""
+  """The ``'embed'`` kind: ``nn.Embed`` / ``nnx.Embed`` (and their subclasses), a rank-2
+  ``embedding`` ``(vocab, features)``, no bias; both ``__call__`` and ``attend`` are
+  intercepted.
+
+  The embedding is already the ``(d_A, d_G) = (vocab, features)`` matrix. ``A`` is diagonal,
+  the ``(vocab,)`` token counts per loss term (plus a tied embedding's squared logit
+  cotangents), kept as side curvature outside the block stacks; ``G`` (``features``) is built
+  from the lookups' cotangents and the ``attend`` uses' inputs (module docstring). Statistics:
+  :class:`EmbedStats`. From parameter shapes it claims any rank-2 ``embedding``.
+
+  Listed in ``CurvatureStats.unhandled`` instead of captured: a lookup of a scalar id (no batch
+  axis), several uses (lookups, ``attend``) of which one runs inside a lifted transform or
+  that see different numbers of examples, a layer inside a loop over its weights, and a
+  subclass overriding ``__call__``, ``attend`` or ``param``.
+
+  Raises:
+    ValueError: at a check step, naming the layer, for statistics that are not
+      :class:`EmbedStats`, ids that are not integers, cotangents that are not floating point
+      ``(S, *ids.shape, features)``, or ``attend_inputs`` / ``attend_cotangents`` not both
+      given or not ``(N, ..., features)`` / ``(S, N, ..., vocab)`` over the same positions.
+
+  Source: Chen et al., THOR, AAAI 2021 (diagonal ``A`` of embeddings); Martens & Grosse,
+  K-FAC, ICML 2015 (``G``); Eschenhagen et al., NeurIPS 2023 (tied uses).
+  """
 
   name = "embed"
   stats_type = EmbedStats

@@ -70,6 +70,9 @@ class NormStats:
   Attributes:
     scale_grads: ``(S, N, C)``.
     bias_grads: ``(S, N, C)``.
+
+  Source: Osawa et al., SP-NGD, TPAMI 2020, section "Unit-wise Natural Gradient" (the
+  per-channel Fisher of ``(scale_c, bias_c)`` from per-example gradients).
   """
 
   scale_grads: jax.Array
@@ -152,8 +155,31 @@ _UNIT = {"scale": 1, "bias": 0}  # the identity affine map
 
 
 class Norm(base.LayerKind):
-  """``BatchNorm``, ``LayerNorm``, ``GroupNorm`` and ``RMSNorm`` (linen and NNX): rank-1
-  ``scale`` and/or ``bias`` over the last axis only."""
+  """The ``'norm'`` kind: ``BatchNorm``, ``LayerNorm``, ``GroupNorm`` and ``RMSNorm``, linen
+  and NNX (and their subclasses), with a rank-1 ``scale`` and/or ``bias`` ``(C,)`` over the
+  last axis.
+
+  No Kronecker factors (its claim has ``a_dim = g_dim = None``): the parameters are the ``C``
+  pairs ``(scale_c, bias_c)``, each preconditioned by its damped 2x2 Fisher,
+  ``(C, 2, 2)`` inverses kept as side curvature (module docstring). Capture records ``x_hat``
+  (:meth:`unit_affine`) and the statistics are the per-example gradients,
+  :class:`NormStats`. From parameter shapes it claims a module whose leaves are only ``scale``
+  and/or ``bias`` of one rank-1 shape.
+
+  Listed in ``CurvatureStats.unhandled`` instead of captured: scale and bias over axes other
+  than the last, an input without a batch axis, a layer called more than once per forward pass
+  or inside a loop over its weights, and a subclass overriding ``__call__`` or ``param``; a
+  layer with neither scale nor bias is skipped silently.
+
+  Raises:
+    ValueError: at a check step, naming the layer, for statistics that are not
+      :class:`NormStats`, or whose ``scale_grads`` and ``bias_grads`` are not both
+      ``(S, N, C)``.
+    TypeError: from :meth:`affine`, for a module of none of the classes of :data:`AFFINE` (a
+      subclass kind matching other classes without overriding it).
+
+  Source: Osawa et al., SP-NGD, TPAMI 2020, section "Unit-wise Natural Gradient".
+  """
 
   name = "norm"
   stats_type = NormStats
