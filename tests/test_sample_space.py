@@ -165,7 +165,9 @@ def test_reduced_positions_and_sampled_fisher_fall_back_to_the_gradient():
   model, params, ids, labels = _attention_setup(per_position=False)
   capture = value_and_grad_with_stats(model, softmax_ce)  # 'auto': reduce
   _, stats = jax.eval_shape(capture, params, ids, labels)
-  assert stats.exact_rows == ("head",)  # after pooling: one row per example
+  # After pooling, one row per example; the attention key is expanded under 'auto' (its
+  # reduced cotangents vanish), so its rows stay exact.
+  assert stats.exact_rows == ("MultiHeadDotProductAttention_0/key", "head")
   tx = thor_optax.scale_by_thor(0.05, block_size=8, layers=thor_optax.captured_layers(stats))
   state = _refreshed(tx, capture, params, ids, labels)
   block, rows, grads = _both_forms(tx, state, capture, params, ids[::-1], labels[::-1])
