@@ -293,6 +293,24 @@ def test_rows_stand_only_for_their_own_gradient():
     assert _relative(want, got) < TOL, which
 
 
+def test_another_models_gradient_stats_are_an_error():
+  """Statistics that do not fit the weights (a model with 160 inputs): the ``ValueError``
+  naming the layer, as for ``curvature_stats`` (before: only the warning about the gradient
+  arrays, which blamed the wrong thing)."""
+  model, params, x, y = _mlp_setup()
+  wide = jnp.asarray(randn(1, (N, 160)))
+  (_, _), other = value_and_grad_with_stats(model, softmax_ce)(init_params(model, wide), wide, y)
+  capture = value_and_grad_with_stats(model, softmax_ce)
+  tx = thor_optax.scale_by_thor(0.05, block_size=64)
+
+  def step(params, state):
+    (_, grads), _ = capture(params, x, y)
+    return tx.update(grads, state, params, gradient_stats=other)[0]
+
+  with pytest.raises(ValueError, match=r"layer 'Dense_0'.*inputs have trailing dimension 160"):
+    jax.jit(step)(params, tx.init(params))
+
+
 @pytest.mark.filterwarnings("default:gradient_stats. the gradients")
 def test_a_transform_before_the_preconditioner_is_not_bypassed():
   """``optax.chain(clip, scale_by_thor, ...)`` with ``gradient_stats=``: the clipped gradient

@@ -187,16 +187,17 @@ def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.Bl
     stats = flat.get(spec.name)
     if stats is None or spec.name not in gradient_stats.exact_rows or not eligible(spec, cfg):
       continue
-    if not (pmeaned or all(stats_lib.is_captured_gradient(leaves[spec.path + (name,)], stats)
-                           for name, _ in spec.shapes)):
-      transformed.append(spec.name)
-      continue
     if spec.stack:
       stats = spec.flat_stack(stats)
     one = spec.one_layer()
     one_stats = jax.eval_shape(lambda s: jax.tree.map(lambda x: x[0], s), stats) \
         if spec.stack else stats
-    spec.kind.check_stats(one, one_stats)
+    spec.kind.check_stats(one, one_stats)  # another model's statistics: an error, first
+    if not (pmeaned or all(stats_lib.is_captured_gradient(leaves[spec.path + (name,)],
+                                                          flat[spec.name])
+                           for name, _ in spec.shapes)):
+      transformed.append(spec.name)
+      continue
     rows = jax.eval_shape(lambda s, one=one: one.kind.input_rows(one, s, jnp.float32).rows,
                           one_stats).shape[0]
     if any(sides(one, rows)):
