@@ -34,7 +34,7 @@ def setup():
   return params, grads, stats
 
 
-# Defect 1: numpy scalars and 0-d arrays took no check (learning_rate=np.float32(-0.05) trained
+# Numpy scalars and 0-d arrays took no check (learning_rate=np.float32(-0.05) trained
 # by gradient ascent).
 @pytest.mark.parametrize("wrap", [np.float32, np.float64, np.asarray, jnp.asarray],
                          ids=["f32", "f64", "np0d", "jnp0d"])
@@ -78,7 +78,7 @@ def test_traced_hyperparameters_still_pass(setup):
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
 
 
-# Defect 2: a damping schedule's Python float was never checked at update time.
+# A damping schedule's Python float was never checked at update time.
 @pytest.mark.parametrize("schedule", [optax.constant_schedule(-0.01), lambda c: float("nan")],
                          ids=["constant_negative", "python_nan"])
 def test_python_float_damping_from_a_schedule_skips_the_step(setup, schedule):
@@ -89,7 +89,7 @@ def test_python_float_damping_from_a_schedule_skips_the_step(setup, schedule):
   assert all(not np.any(u) for u in jax.tree.leaves(updates))
 
 
-# Defect 3: an integer dtype stored int32 inverses.
+# An integer dtype stored int32 inverses.
 @pytest.mark.parametrize("dtype", ["int32", jnp.int8, "bool", "not_a_dtype"])
 def test_non_floating_dtype_is_refused(dtype):
   with pytest.raises(ValueError, match="scale_by_thor: dtype must be None or a floating-point"):
@@ -98,7 +98,7 @@ def test_non_floating_dtype_is_refused(dtype):
     T.scale_by_kfac(dtype=dtype)
 
 
-# Defect 4: a misspelled keyword of update was dropped, so no check step ran.
+# A misspelled keyword of update was dropped, so no check step ran.
 @pytest.mark.parametrize("keyword, right", [("curvature_stat", "curvature_stats"),
                                             ("stats", "curvature_stats"),
                                             ("gradient_stat", "gradient_stats"),
@@ -111,7 +111,7 @@ def test_misspelled_update_keyword_names_the_right_one(setup, keyword, right):
   tx.update(grads, tx.init(params), params, value=1.0)  # another member's: allowed
 
 
-# Defect 5: the paper's schedules checked nothing.
+# The paper's schedules checked nothing.
 @pytest.mark.parametrize("make, error, match", [
     (lambda: T.thor_learning_rate_schedule(-0.05, 100, 2.0), ValueError, "init_value"),
     (lambda: T.thor_learning_rate_schedule(0.1, 0, 2.0), ValueError, "decay_steps must be >= 1"),
@@ -136,7 +136,7 @@ def test_paper_schedules_take_numpy_values():
                              rtol=1e-6)
 
 
-# Defect 6: strings, None and other objects built, then failed inside JAX at the first update.
+# Strings, None and other objects built, then failed inside JAX at the first update.
 @pytest.mark.parametrize("make, error, match", [
     (lambda: T.thor("0.1"), TypeError, "thor: learning_rate must be a number or an optax"),
     (lambda: T.thor(None), TypeError, "thor: learning_rate"),
@@ -161,7 +161,7 @@ def test_arguments_of_the_wrong_type_are_refused_at_construction(make, error, ma
     make()
 
 
-# Defect 7: NaN and infinite intervals; numpy integer intervals.
+# NaN and infinite intervals; numpy integer intervals.
 @pytest.mark.parametrize("args", [(2, float("nan"), 100), (float("nan"), 5, 100),
                                   (2, float("inf"), 100), (2, 5, float("nan"))])
 def test_growing_interval_refuses_nan_and_inf(args):
@@ -175,7 +175,7 @@ def test_check_schedule_names_a_nan_interval():
   assert T.CheckSchedule(np.int64(4)).check_steps(9) == [0, 4, 8]
 
 
-# Defect 8: wrapping something that is not a transform; update without the state.
+# Wrapping something that is not a transform; update without the state.
 @pytest.mark.parametrize("make, match", [
     (lambda: T.scale_by_kl_clip(None, 0.1), "preconditioner must be an optax"),
     (lambda: T.scale_by_kl_clip(T.scale_by_thor, 0.1), "function 'scale_by_thor' itself"),
@@ -199,9 +199,24 @@ def test_update_without_its_state_is_named(setup):
     pre.update(grads, None, params)
 
 
-# Defect 9: the docstrings say what they raise and where the piece comes from.
+# The docstrings say what they raise and where the piece comes from.
 @pytest.mark.parametrize("obj", [T.thor_learning_rate_schedule, T.thor_damping_schedule,
                                  T.skip_not_finite, T.CurvatureBudget, T.CheckSchedule,
                                  T.growing_interval], ids=lambda o: o.__name__)
 def test_docstrings_have_raises_and_source(obj):
   assert "Raises:" in obj.__doc__ and "Source:" in obj.__doc__
+
+
+def test_numpy_values_of_python_only_options_and_the_sharding_mesh():
+  """Options decided in Python take numpy scalars (before: refused as "traced"); the bias
+  correction checks a numpy momentum; ``kronecker_state_sharding`` names a mesh that is not
+  a ``Mesh`` (before: ``AttributeError``)."""
+  T.kfac(0.1, ema_decay=np.float32(0.9))
+  T.scale_by_thor(0.1, ema_decay=np.float32(0.9), ema_rows_ratio=np.float64(2.0))
+  with pytest.raises(ValueError, match="momentum must be in"):
+    T.scale_by_momentum_bias_correction(np.float32(1.0))
+  params = {"Dense_0": {"kernel": jnp.ones((3, 2)), "bias": jnp.ones(2)}}
+  state = T.kfac(0.1).init(params)
+  for mesh in (None, jax.devices()):
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+      T.kronecker_state_sharding(state, mesh)

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from thor_optax._src import static_args
+
 
 def momentum_bias_correction(momentum: Union[float, jax.Array],
                              nesterov: bool = False) -> optax.Schedule:
@@ -68,13 +70,13 @@ def scale_by_momentum_bias_correction(momentum: Union[float, jax.Array],
     ``optax.ScaleByScheduleState`` (the update count).
 
   Raises:
-    ValueError: for a Python-number ``momentum`` outside ``[0, 1)``.
+    ValueError: for a ``momentum`` (Python or numpy scalar, 0-d array) outside ``[0, 1)``.
+    TypeError: for a ``momentum`` that is no number or schedule (a string, ``None``).
 
   References:
     Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015, section 3
     (initialization bias correction), applied to the trace of ``optax.trace``.
   """
-  if isinstance(momentum, (int, float)) and not 0 <= momentum < 1:
-    raise ValueError("thor_optax.scale_by_momentum_bias_correction: momentum must be in "
-                     f"[0, 1), got {momentum!r}.")
+  static_args.check_number("scale_by_momentum_bias_correction", "momentum", momentum,
+                           lambda v: 0 <= v < 1, "in [0, 1)", schedule=True)
   return optax.scale_by_schedule(momentum_bias_correction(momentum, nesterov))

@@ -91,6 +91,7 @@ def kronecker_state_sharding(opt_state: Any, mesh: Mesh, block_axis: Optional[st
     included).
 
   Raises:
+    TypeError: if ``mesh`` is not a ``jax.sharding.Mesh`` (``None``, a list of devices).
     ValueError: if ``block_axis`` is not an axis of ``mesh``, or a boxed leaf is sharded over
       an axis that is not in ``mesh``.
 
@@ -98,6 +99,9 @@ def kronecker_state_sharding(opt_state: Any, mesh: Mesh, block_axis: Optional[st
   Networks", SC 2021 (COMM-OPT, MEM-OPT, HYBRID-OPT and ``grad_worker_fraction``); the boxed
   leaves' shardings are Flax's (the box's ``get_partition_spec``, ``nn.logical_to_mesh_axes``).
   """
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"kronecker_state_sharding: mesh must be a jax.sharding.Mesh (e.g. "
+                    f"jax.make_mesh((n,), ('data',))), got {type(mesh).__name__}.")
   if block_axis is not None and block_axis not in mesh.shape:
     raise ValueError(f"block_axis {block_axis!r} is not an axis of the mesh "
                      f"{dict(mesh.shape)}.")

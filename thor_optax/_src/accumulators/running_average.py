@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from thor_optax._src import static_args
 from thor_optax._src.accumulators import base
@@ -55,6 +56,11 @@ def period_steps(period: Period, count: jax.Array) -> jax.Array:
   return jnp.maximum(1, jnp.round(jnp.asarray(value, jnp.float32))).astype(jnp.int32)
 
 
+def _python_or_numpy_real(value) -> bool:
+  """A Python or numpy real scalar (not a bool, not an array that a trace may make abstract)."""
+  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 class RunningAverage(base.FactorAccumulator):
   """Running averages with EMA decay ``decay`` (0: newest only), inverted every
   ``inverse_period`` steps (an int ``>= 1`` or a schedule of the step).
@@ -73,7 +79,7 @@ class RunningAverage(base.FactorAccumulator):
   def __init__(self, decay: float, inverse_period: Period, rows_ratio: Optional[float] = None):
     static = ("It decides the state's layout and the inversion steps in Python, so it cannot "
               "be a traced value: " + static_args.hint())
-    if not isinstance(decay, (int, float)) or isinstance(decay, bool):
+    if not _python_or_numpy_real(decay):
       raise ValueError(f"ema_decay must be a Python float in [0, 1) or None, got {decay!r}. "
                        + static)
     if not 0.0 <= decay < 1.0:
@@ -83,8 +89,8 @@ class RunningAverage(base.FactorAccumulator):
         or (isinstance(inverse_period, numbers.Integral) and inverse_period >= 1)):
       raise ValueError(f"inverse_period must be an int >= 1 or a schedule of the step, got "
                        f"{inverse_period!r}. " + static)
-    if rows_ratio is not None and (not isinstance(rows_ratio, (int, float))
-                                   or isinstance(rows_ratio, bool) or not 0 < rows_ratio < inf):
+    if rows_ratio is not None and not (_python_or_numpy_real(rows_ratio)
+                                       and 0 < rows_ratio < inf):
       raise ValueError(f"ema_rows_ratio must be None or a positive Python number, got "
                        f"{rows_ratio!r}. It decides in Python which blocks are averaged: "
                        + static_args.hint())

@@ -101,7 +101,8 @@ class ConvTranspose(conv.Conv):
     if len(input_shape) < nsp + 2:
       return base.Plan(None, f"transposed conv input of shape {input_shape} has no batch axis")
     strides = conv._settings(module.strides, nsp)  # pylint: disable=protected-access
-    kernel_dilation = conv._settings(module.kernel_dilation, nsp)  # pylint: disable=protected-access
+    kernel_dilation = conv._settings(  # pylint: disable=protected-access
+        module.kernel_dilation, nsp)
     padding = module.padding
     if isinstance(padding, str) and padding.upper() in ("SAME", "VALID"):
       spans = [(k - 1) * d + 1 for k, d in zip(kernel_size, kernel_dilation)]

@@ -1,7 +1,8 @@
 """Embeddings ``y = embedding[ids]``: Flax ``nn.Embed`` and ``nnx.Embed``.
 
 The input of an embedding is the one-hot vector of its id, so its input factor is diagonal:
-``A = (1/N) sum_{n,t} e_id e_id^T``, ``A_vv`` = occurrences of token ``v`` per example (THOR:
+``A = (1/M) sum_{n,t} e_id e_id^T`` for ``M`` loss terms, ``A_vv`` = occurrences of token ``v``
+per loss term (per example for a loss per example; THOR:
 the embedding's ``A`` is the token-frequency vector). ``A`` is kept as side curvature, a
 ``(vocab,)`` vector refreshed at every check step (:class:`DiagonalState`); only ``G`` lives in
 the block stacks. The weight ``(vocab, features)`` is already the ``(d_A, d_G)`` matrix.

@@ -261,7 +261,8 @@ class Norm(base.LayerKind):
 
   def check_stats(self, spec, stats) -> None:
     c = self.channels(spec)
-    where = f"curvature_stats for normalization layer {spec.name!r} ({c} channels)"
+    where = (f"the statistics (curvature_stats or gradient_stats) for normalization layer "
+             f"{spec.name!r} ({c} channels)")
     if not isinstance(stats, NormStats):
       raise ValueError(f"{where}: got {type(stats).__name__}, expected NormStats.")
     for name in ("scale_grads", "bias_grads"):

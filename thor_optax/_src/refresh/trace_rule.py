@@ -34,10 +34,12 @@ References:
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from thor_optax._src.refresh import base
 
@@ -92,8 +94,8 @@ def check_max_stale(max_stale_checks) -> None:
   """Raises ValueError unless ``max_stale_checks`` is ``None`` or a Python int ``>= 0``."""
   if max_stale_checks is None:
     return
-  if (isinstance(max_stale_checks, bool) or not isinstance(max_stale_checks, int)
-      or max_stale_checks < 0):
+  if (isinstance(max_stale_checks, (bool, np.bool_))
+      or not isinstance(max_stale_checks, numbers.Integral) or max_stale_checks < 0):
     raise ValueError(
         "thor_optax (refresh/trace_rule.py): max_stale_checks must be None or a Python int "
         f">= 0 (checks a block may be skipped in a row; under optax.inject_hyperparams list "
