@@ -545,3 +545,101 @@ def test_a_frozen_backbone_with_wrt():
   (_, grads), stats = thor_nnx.value_and_grad_with_stats(loss_fn)(model, x, y)
   with pytest.raises(ValueError, match=r"pass the same wrt= to"):
     opt.update(model, nnx.state(grads, head_only), curvature_stats=stats)
+
+
+# ----------------------------------------------------------------------------- 6. user patterns
+
+
+class _Patterns(nnx.Module):
+  """Three linears; ``mode`` routes the middle one through a raw JAX transform, ties its
+  kernel to the first's, or applies dropout with call-time ``rngs``."""
+
+  def __init__(self, mode, rngs):
+    self.mode = mode
+    self.a = nnx.Linear(5, 5, rngs=rngs)
+    self.b = nnx.Linear(5, 5, rngs=rngs)
+    self.o = nnx.Linear(5, 3, rngs=rngs)
+    self.drop = nnx.Dropout(0.5)
+    if mode == "tied":
+      self.b.kernel = self.a.kernel
+
+  def __call__(self, x, rngs=None):
+    h = jnp.tanh(self.a(x))
+    if self.mode == "checkpoint":
+      h = jax.checkpoint(lambda v: jnp.tanh(self.b(v)))(h)
+    elif self.mode == "scan":
+      h, _ = jax.lax.scan(lambda v, _: (jnp.tanh(self.b(v)), None), h, None, length=2)
+    elif self.mode == "dropout":
+      h = self.drop(jnp.tanh(self.b(h)), rngs=rngs)
+    else:
+      h = jnp.tanh(self.b(h))
+    return self.o(h)
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "scan", "tied"])
+def test_layers_the_capture_cannot_take_are_listed_with_exact_gradients(mode):
+  """A layer inside a raw ``jax.checkpoint`` / ``jax.lax.scan`` of a closure, and two layers
+  holding one ``nnx.Param``, are listed and their gradients are ``nnx.grad``'s (before: a
+  ``TraceContextError`` naming an internal class; tied kernels gave two independent layers
+  and a misleading error at the update)."""
+  x, y = _data()
+  model = _Patterns(mode, nnx.Rngs(0))
+  want = nnx.grad(lambda m: _loss(m(x), y))(nnx.clone(model))
+  (_, grads), stats = thor_nnx.value_and_grad_with_stats(_loss)(model, x, y)
+  listed = ("a", "b") if mode == "tied" else ("b",)
+  assert sorted(stats.layers) == sorted({"a", "b", "o"} - set(listed))
+  assert [note.split(":")[0] for note in stats.unhandled] == list(listed)
+  for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(nnx.to_pure_dict(want))):
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+  optimizer = nnx.Optimizer(model, thor_optax.thor(0.05), wrt=nnx.Param)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # the listed layers' note
+    optimizer.update(model, grads, curvature_stats=stats)
+
+
+def test_call_time_rngs_and_call_errors():
+  """``model(x, rngs=nnx.Rngs(...))``: captured, with the streams advanced as by a plain call
+  (before: ``TraceContextError``). A model keyword ``rng`` hidden by the capture's, a second
+  positional input, a module given as the loss, a dataclass output JAX cannot trace: errors
+  saying what to do."""
+  x, y = _data()
+  model = _Patterns("dropout", nnx.Rngs(0))
+  plain, captured = nnx.Rngs(dropout=3), nnx.Rngs(dropout=3)
+  want = _loss(nnx.clone(model)(x, rngs=plain), y)
+  (loss, _), stats = thor_nnx.value_and_grad_with_stats(_loss)(model, x, y, rngs=captured)
+  np.testing.assert_allclose(loss, want, rtol=1e-6)
+  assert int(captured.dropout.count[...]) == int(plain.dropout.count[...]) == 1
+  assert sorted(stats.layers) == ["a", "b", "o"]
+
+  class TakesRng(nnx.Module):
+    def __init__(self):
+      self.l = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, v, rng=None):
+      return self.l(v)
+
+  with pytest.raises(ValueError, match="takes a keyword 'rng'"):
+    thor_nnx.value_and_grad_with_stats(_loss)(TakesRng(), x, y, rng=jax.random.PRNGKey(0))
+
+  class TwoInputs(TakesRng):
+    def __call__(self, a, b):
+      return self.l(a + b)
+
+  with pytest.raises(TypeError, match="Pass the others as keywords"):
+    thor_nnx.value_and_grad_with_stats(_loss)(TwoInputs(), x, y)
+  with pytest.raises(TypeError, match="takes the loss function"):
+    thor_nnx.value_and_grad_with_stats(model)
+  with pytest.raises(TypeError, match="for an NNX model use thor_optax.nnx"):
+    thor_linen.value_and_grad_with_stats(model, _loss)
+
+  class Out:  # a plain dataclass-like output, not a pytree
+    def __init__(self, logits):
+      self.logits = logits
+
+  class Plain(TakesRng):
+    def __call__(self, v):
+      return Out(self.l(v))
+
+  with pytest.raises(ValueError, match="outputs hold a value JAX cannot trace"):
+    thor_nnx.value_and_grad_with_stats(lambda o, t: _loss(o.logits, t), num_loss_terms=8)(
+        Plain(), x, y)

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import (Any, Callable, Collection, Iterable, Mapping, NamedTuple, Optional, Sequence,
                     Union)
@@ -500,6 +501,65 @@ def loss_terms(outputs: Any, options: "FisherOptions") -> int:
       "batch size N for a loss over examples, N * T for one over all positions).")
 
 
+def _is_nnx_module(obj: Any) -> bool:
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  return isinstance(obj, nnx.Module)
+
+
+def check_rng_keyword(call: Callable[..., Any], rng: Any, where: str) -> None:
+  """Raises ``ValueError`` if ``rng`` is given and ``call`` (the model's ``__call__``) takes a
+  keyword ``rng`` of its own: the capture's ``rng`` (the sampled Fisher's key) would take it,
+  and the model would silently get its default."""
+  if rng is None:
+    return
+  try:
+    takes = "rng" in inspect.signature(call).parameters
+  except (TypeError, ValueError):
+    return
+  if takes:
+    raise ValueError(
+        f"{where}: the model's __call__ takes a keyword 'rng', and rng= is the capture's own "
+        "(the key of the sampled Fisher): the model would not get it. Give the model its key "
+        "under another name, or bind it in a wrapper (functools.partial of the model's "
+        "__call__ in a small module).")
+
+
+def one_input(discover: Callable[[], Any], where: str) -> Any:
+  """``discover()`` (the capture's first pass over the model), with Python's error for a model
+  that takes more positional inputs than the one the capture passes turned into a
+  ``TypeError`` saying how to pass the others."""
+  try:
+    return discover()
+  except TypeError as e:
+    if "required positional argument" not in str(e):
+      raise
+    raise TypeError(
+        f"{where}: the capture calls the model with one positional input, model(inputs, "
+        f"**kwargs), and the model wants more ({e}). Pass the others as keywords of the "
+        "capture's call (they go to the model), or give the model one input (a tuple or dict "
+        "of them).") from e
+
+
+def traced_outputs(trace: Callable[[], Any]) -> Any:
+  """``trace()`` (a JAX transformation of the model's forward pass), with JAX's error for an
+  output it cannot trace (a plain, unregistered dataclass) turned into a ``ValueError`` that
+  says what to return instead.
+
+  Raises:
+    ValueError: if the model's outputs hold a value that is not a JAX type or pytree.
+  """
+  try:
+    return trace()
+  except TypeError as e:
+    if "is not a valid JAX type" not in str(e):
+      raise
+    raise ValueError(
+        "thor_optax value_and_grad_with_stats: the model's outputs hold a value JAX cannot "
+        f"trace ({str(e).splitlines()[0]}). Return arrays in a tuple or dict, or make an "
+        "output dataclass a pytree (flax.struct.dataclass, or "
+        "jax.tree_util.register_dataclass).") from e
+
+
 def loss_and_output_cotangents(loss_fn: Callable[[Any, Any], jax.Array], outputs: Any,
                                targets: Any) -> tuple[jax.Array, Any]:
   """The loss and its gradient with respect to the model's floating-point outputs.
@@ -590,7 +650,8 @@ def vjp_with_stats(
     return jnp.zeros(tuple(c["stack"]) + tuple(c["out"].shape), c["out"].dtype)
 
   perturbations = {path: zeros(c) for path, c in captured.items()}
-  outputs, vjp_fn, (layer_inputs, aux) = jax.vjp(forward, params, perturbations, has_aux=True)
+  outputs, vjp_fn, (layer_inputs, aux) = traced_outputs(
+      lambda: jax.vjp(forward, params, perturbations, has_aux=True))
   loss, dloss = loss_and_output_cotangents(loss_fn, outputs, targets)
   grads, layer_cts = vjp_fn(dloss)
   # A layer shared over a loop's iterations: its input sums come back as gradients.
@@ -860,7 +921,7 @@ def used_outside_their_calls(trace: Callable[[Any], Any], params: Any,
   modules = {tuple(str(k) for k in m): m for m in modules}  # (NNX paths may hold ints)
   if not modules:
     return {}
-  closed = jax.make_jaxpr(trace)(params)
+  closed = traced_outputs(lambda: jax.make_jaxpr(trace)(params))
   used = _used_inputs(closed.jaxpr)
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   found = {}
@@ -1076,20 +1137,35 @@ def value_and_grad_with_stats(
       ``num_samples < 1`` or a bad ``num_loss_terms``; from ``fn``, for a sampled Fisher called
       without ``rng``, a ``model_state`` holding ``"params"``, outputs whose number of loss
       terms cannot be read from their shape (see ``num_loss_terms``), or a sampled or exact
-      Fisher of a model that does not return one array.
+      Fisher of a model that does not return one array; from ``fn``, an ``rng`` given to a
+      model whose ``__call__`` takes an ``rng`` of its own (which the capture's would hide).
+    TypeError: if ``model`` is not a linen module (an NNX model: use
+      ``thor_optax.nnx.value_and_grad_with_stats``) or ``loss_fn`` is not callable.
   """
+  if not isinstance(model, nn.Module):
+    raise TypeError(
+        f"thor_optax.flax.value_and_grad_with_stats needs a flax.linen Module, got "
+        f"{type(model).__name__}"
+        + ("; for an NNX model use thor_optax.nnx.value_and_grad_with_stats(loss_fn)(model, x, "
+           "y)." if _is_nnx_module(model) else "."))
+  if not callable(loss_fn) or isinstance(loss_fn, nn.Module):
+    raise TypeError(f"thor_optax.flax.value_and_grad_with_stats: loss_fn must be a function "
+                    f"loss_fn(outputs, targets) -> scalar, got {type(loss_fn).__name__}.")
   options = FisherOptions(fisher_type, likelihood, num_samples, loss_reduction, num_loss_terms,
                           weight_sharing)
 
   def fn(params, inputs, targets, *, rng=None, model_state: Optional[Mapping] = None,
          mutable: Union[bool, str, Sequence[str]] = False, **apply_kwargs):
     options.check_rng(rng)
+    check_rng_keyword(type(model).__call__, rng, "thor_optax.flax.value_and_grad_with_stats")
     model_state = dict(model_state or {})
     if "params" in model_state:
       raise ValueError("model_state holds the non-parameter collections; pass params "
                        "as the first argument.")
     apply = _Apply(model, mutable, apply_kwargs)
-    calls, counts, foreign, transformed, keys = _discover(apply, params, model_state, inputs)
+    calls, counts, foreign, transformed, keys = one_input(
+        lambda: _discover(apply, params, model_state, inputs),
+        "thor_optax.flax.value_and_grad_with_stats")
     shared = {**_shared_with_apply(apply, params, model_state, inputs, foreign), **transformed}
 
     def zeroed(p):

@@ -69,7 +69,10 @@ import functools
 import threading
 from typing import Any, Callable, Iterator, Optional
 
+from flax import errors as flax_errors
+import flax.linen as linen
 from flax import nnx
+from flax.nnx import graph as nnx_graph
 import jax
 import jax.numpy as jnp
 
@@ -166,6 +169,54 @@ def _layers(model: nnx.Module) -> dict[tuple[Any, ...], nnx.Module]:
   return out
 
 
+class _CallKwargs:
+  """The model call's keyword arguments, with the NNX objects among them (call-time
+  ``rngs=nnx.Rngs(...)``) split into a graph definition and state: each traced pass calls the
+  model with its own merged copy (an NNX object made outside a trace cannot be mutated inside
+  it), and the capture's forward pass hands the copies' new state back (:meth:`update`), so
+  that the RNG streams advance as in a plain call."""
+
+  def __init__(self, kwargs: dict):
+    self.plain = {k: v for k, v in kwargs.items() if not nnx_graph.is_graph_node(v)}
+    self.nodes = {k: v for k, v in kwargs.items() if nnx_graph.is_graph_node(v)}
+    self.split = nnx.split(self.nodes) if self.nodes else None
+
+  def fresh(self) -> tuple[dict, Optional[dict]]:
+    """``(keyword arguments, the NNX copies among them or None)`` for one traced call."""
+    if self.split is None:
+      return dict(self.plain), None
+    copies = nnx.merge(*self.split, copy=True)
+    return {**self.plain, **copies}, copies
+
+  def update(self, state: Any) -> None:
+    """Writes the copies' state after the capture's pass into the caller's objects."""
+    if state is not None:
+      nnx.update(self.nodes, state)
+
+
+def _shared_params(model: nnx.Module) -> dict[tuple[Any, ...], str]:
+  """``{path: reason}`` of the registered-kind layers holding an ``nnx.Param`` that another
+  module holds too (``self.b.kernel = self.a.kernel``: weights tied across layers, which
+  ``nnx.split`` files under the first path only): listed, not captured."""
+  holders: dict[int, list[tuple[tuple[Any, ...], str]]] = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module):
+      for name, v in sorted(vars(node).items()):
+        if isinstance(v, nnx.Param):
+          holders.setdefault(id(v), []).append((tuple(path), name))
+  reasons: dict[tuple[Any, ...], str] = {}
+  modules = dict((tuple(p), n) for p, n in nnx.iter_graph(model))
+  for held in holders.values():
+    for path, name in held if len(held) > 1 else ():
+      if layers_lib.kind_of_module(modules.get(path)) is None:
+        continue
+      others = [capture_lib.path_name(p) + "." + n for p, n in held if (p, n) != (path, name)]
+      reasons[path] = (f"its parameter {name!r} is the same nnx.Param as {', '.join(others)} "
+                       "(weights tied across layers are not preconditioned; their gradients "
+                       "pass through)")
+  return reasons
+
+
 def _own_param(mod: nnx.Module) -> Optional[jax.Array]:
   """The value of the module's first own parameter by attribute name (``None`` if it has
   none); inside a lifted transform, as the layer sees it (one slice of a stack)."""
@@ -213,7 +264,7 @@ def _attention_keys(model: nnx.Module) -> frozenset:
 
 
 def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
-              call_kwargs: dict) -> tuple[dict, dict]:
+              call_kwargs: _CallKwargs) -> tuple[dict, dict]:
   """Calls, shapes and metadata of every registered layer (a traced pass, no FLOPs).
 
   Returns ``(calls, input_dtypes)``. A layer run inside an NNX lifted transform is seen as a
@@ -229,6 +280,7 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
   calls: dict[tuple[Any, ...], list] = {}
   dtypes: dict[tuple[Any, ...], Any] = {}
   written: set[tuple[Any, ...]] = set()
+  raw: set[tuple[Any, ...]] = set()  # called inside jax.checkpoint / lax.scan / lax.cond
   own = {path: _own_param(mod)
          for path, mod in _layers(nnx.merge(graphdef, params, rest, copy=True)).items()}
   outer = {path: tuple(v.shape) for path, v in own.items()}
@@ -255,8 +307,14 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
       stack = outer[path][:len(outer[path]) - inner.ndim]
       x = capture_lib.primary_input(args, kwargs)
       shared = "nnx.vmap" if not stack and _batched(x) and not _batched(inner) else ""
+      if path in raw:
+        return out
       if method == "__call__":
-        getattr(mod, _PROBE).set_value(inner)
+        try:
+          getattr(mod, _PROBE).set_value(inner)
+        except flax_errors.TraceContextError:  # inside a raw jax transform: listed
+          raw.add(path)
+          return out
         written.add(path)
       capture_lib.note_call(calls, path, mod, method, args, kwargs, out, stack, shared,
                             lifted=mod is not layers[path])
@@ -264,7 +322,7 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
       return out
 
     with _intercept(record):
-      copy(inputs, **call_kwargs)
+      copy(inputs, **call_kwargs.fresh()[0])
     return [getattr(layers[path], _PROBE).get_value() for path in order]
 
   probes = [jax.ShapeDtypeStruct(own[path].shape, own[path].dtype) for path in order]
@@ -278,7 +336,9 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
     if var_out is var_in or (_from_loop(jaxpr, var_out)
                              and not any(c.stack for c in calls[path])):
       calls[path] = [c._replace(shared_over="nnx.scan") for c in calls[path]]
-  return calls, dtypes
+  # A layer called inside a raw JAX transform (its variables cannot be written there) is left
+  # to _module_reasons, which lists it; its calls elsewhere are dropped with it.
+  return {path: seen for path, seen in calls.items() if path not in raw}, dtypes
 
 
 def _from_loop(jaxpr: Any, var: Any) -> bool:
@@ -299,7 +359,7 @@ def _from_loop(jaxpr: Any, var: Any) -> bool:
   return False
 
 
-def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: dict, captured: dict,
+def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: _CallKwargs, captured: dict,
              dtypes: dict, params: Any, perts: dict) -> tuple[Any, tuple[dict, Any]]:
   """A fresh copy's forward pass that records captured layers' inputs (``x_hat`` for
   normalized-input kinds) and perturbs their outputs; returns its new non-``Param`` state.
@@ -347,13 +407,14 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: dict, captured:
     getattr(mod, _INPUT).set_value(jax.lax.stop_gradient(original(plain, *args, **kwargs)))
     return out + getattr(mod, _PERTURBATION).get_value()
 
+  kwargs, nodes = call_kwargs.fresh()
   with _intercept(intercept):
-    outputs = copy(inputs, **call_kwargs)
+    outputs = copy(inputs, **kwargs)
   layer_inputs = {path: getattr(layers[path], _INPUT).get_value() for path in captured
                   if path not in used and not captured[path]["steps"]}
   layer_inputs.update({path: tuple(xs) for path, xs in used.items()})
   _, _, new_rest = nnx.split(copy, nnx.Param, ...)  # the channels are Params: not in new_rest
-  return outputs, (layer_inputs, new_rest)
+  return outputs, (layer_inputs, (new_rest, None if nodes is None else nnx.state(nodes)))
 
 
 def value_and_grad_with_stats(
@@ -441,34 +502,50 @@ def value_and_grad_with_stats(
       ``num_loss_terms``; from ``fn``, for a sampled Fisher called without ``rng``, outputs
       whose number of loss terms cannot be read from their shape, or a sampled or exact Fisher
       of a model that does not return one array.
-    TypeError: from ``fn``, if ``model`` is not an ``nnx.Module`` (e.g. a linen module: use
+    TypeError: if ``loss_fn`` is a module rather than a function (the model goes to ``fn``);
+      from ``fn``, if ``model`` is not an ``nnx.Module`` (e.g. a linen module: use
       ``thor_optax.flax.value_and_grad_with_stats``).
 
   References:
     Martens & Grosse, K-FAC, ICML 2015, section 5 (sampled targets for the true Fisher).
     kfac-jax ``tracer.py`` (output perturbations); Flax NNX functional API (split/merge/update).
   """
+  if isinstance(loss_fn, (nnx.Module, linen.Module)) or not callable(loss_fn):
+    raise TypeError(
+        f"thor_optax.nnx.value_and_grad_with_stats takes the loss function, got "
+        f"{type(loss_fn).__name__}: capture = value_and_grad_with_stats(loss_fn), then "
+        "(loss, grads), stats = capture(model, inputs, targets)"
+        + (" (a linen module: thor_optax.flax.value_and_grad_with_stats(model, loss_fn))"
+           if isinstance(loss_fn, linen.Module) else "") + ".")
   options = capture_lib.FisherOptions(fisher_type, likelihood, num_samples, loss_reduction,
                                       num_loss_terms, weight_sharing)
 
-  def fn(model, inputs, targets, rng=None, **call_kwargs):
+  def fn(model, inputs, targets, rng=None, **kwargs):
     options.check_rng(rng)
     if not isinstance(model, nnx.Module):
       raise TypeError(
           f"value_and_grad_with_stats (NNX) needs an nnx.Module, got {type(model).__name__}; "
           "for a linen module use thor_optax.flax.value_and_grad_with_stats.")
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    calls, dtypes = _discover(graphdef, params, rest, inputs, call_kwargs)
-    outside = capture_lib.used_outside_their_calls(
-        functools.partial(_zeroed_forward, graphdef, rest, inputs, call_kwargs), params, calls)
+    capture_lib.check_rng_keyword(type(model).__call__, rng,
+                                  "thor_optax.nnx.value_and_grad_with_stats")
+    call_kwargs = _CallKwargs(kwargs)
+    calls, dtypes = capture_lib.one_input(
+        lambda: _discover(graphdef, params, rest, inputs, call_kwargs),
+        "thor_optax.nnx.value_and_grad_with_stats")
+    tied = _shared_params(model)
+    outside = {**capture_lib.used_outside_their_calls(
+        functools.partial(_zeroed_forward, graphdef, rest, inputs, call_kwargs), params,
+        {path: seen for path, seen in calls.items() if path not in tied}), **tied}
     captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params),
                                                  shared=outside,
                                                  weight_sharing=options.weight_sharing,
                                                  attention_keys=_attention_keys(model))
     forward = functools.partial(_forward, graphdef, rest, inputs, call_kwargs, captured, dtypes)
-    loss, grads, stats, new_rest = capture_lib.vjp_with_stats(
+    loss, grads, stats, (new_rest, new_nodes) = capture_lib.vjp_with_stats(
         forward, params, captured, unhandled, loss_fn, targets, rng, options)
     nnx.update(model, new_rest)
+    call_kwargs.update(new_nodes)
     if wrt is not nnx.Param:
       grads = nnx.state(grads, wrt)
       stats = _trained_layers_only(stats, grads)
@@ -486,7 +563,7 @@ def _zeroed_forward(graphdef, rest, inputs, call_kwargs, params):
 
   copy = nnx.merge(graphdef, params, rest, copy=True)
   with _intercept(zeroed):
-    return copy(inputs, **call_kwargs)
+    return copy(inputs, **call_kwargs.fresh()[0])
 
 
 def _trained_layers_only(stats: stats_lib.CurvatureStats,
