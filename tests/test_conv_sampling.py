@@ -8,6 +8,8 @@
 * the option errors.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,29 @@ def test_reduce_sum_is_expand_on_1x1_outputs(hw, ksize, bias):
     np.testing.assert_array_equal(u, v)
   for u, v in zip(_factors(spec, stats, EXPAND), _factors(spec, stats, REDUCE)):
     np.testing.assert_array_equal(u, v)
+
+
+def test_every_mode_divides_a_by_the_loss_terms():
+  """With ``num_terms`` (``M`` loss terms that are not the ``N`` examples: a loss per position,
+  an ensemble member's share), ``A = (1/M) sum`` of the expanded patches in every mode:
+  ``'reduce_sum'`` still equals expand on a 1 x 1 map and ``'spatial_subsample'`` with every
+  position too (before: both divided by ``N``, ``M / N`` times expand's)."""
+  n, c_in, c_out = 4, 2, 3
+  x, g, stats = _random_problem(5, n, (1, 1), c_in, c_out, (1, 1), (1, 1), "VALID", 1)
+  stats = dataclasses.replace(stats, num_terms=3 * n)
+  spec = _spec((1, 1, c_in, c_out), True)
+  rows = np.concatenate([np.asarray(x).reshape(n, c_in), np.ones((n, 1))], axis=1)
+  want = rows.T @ rows / (3 * n)
+  for sampling in (EXPAND, REDUCE, conv.ConvSampling("spatial_subsample", 1)):
+    np.testing.assert_allclose(_factors(spec, stats, sampling)[0], want, **TIGHT)
+  x, g, stats = _random_problem(6, n, (3, 4), c_in, c_out, (2, 2), (1, 1), "SAME", 1)
+  stats = dataclasses.replace(stats, num_terms=12 * n)
+  spec = _spec((2, 2, c_in, c_out), False)
+  full = _factors(spec, stats, conv.ConvSampling("spatial_subsample", 12))
+  for u, v in zip(full, _factors(spec, stats, EXPAND)):
+    np.testing.assert_allclose(u, v, **TIGHT)
+  patches = _ref_patches(x, (2, 2), (1, 1), "SAME").reshape(n * 12, -1)
+  np.testing.assert_allclose(full[0], patches.T @ patches / (12 * n), **TIGHT)
 
 
 @pytest.mark.parametrize("bias", [True, False])

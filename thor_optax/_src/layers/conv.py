@@ -411,9 +411,10 @@ class Conv(base.LayerKind):
                       in_axes=None if num_spatial == 2 else len(kernel) - 1, groups=groups)
 
   def per_loss_term(self, stats, num_terms, weight_sharing):
-    """Unchanged, with ``num_terms`` set when the loss has other terms than the ``N`` examples
-    (``A = (1/M) sum`` of the expanded patches, as a dense layer's; the other
-    ``conv_statistics`` average over ``N``)."""
+    """Unchanged, with ``num_terms`` set when the loss has other terms than the ``N`` examples:
+    ``A`` divides by ``M`` in every ``conv_statistics`` mode (``A = (1/M) sum`` of the expanded
+    patches, as a dense layer's, which ``'reduce_sum'`` equals on ``1 x 1`` maps and
+    ``'spatial_subsample'`` estimates without bias)."""
     del weight_sharing
     return dataclasses.replace(
         stats, num_terms=base.terms_divisor(stats.inputs.shape[0], num_terms))
@@ -465,10 +466,10 @@ class Conv(base.LayerKind):
     return jnp.transpose(matrix.reshape(cin, kh, kw, cout), (1, 2, 0, 3))
 
   def input_rows(self, spec, stats, dtype, *, sampling=None, key=None) -> base.FactorRows:
-    """Rows of ``A``: ``'expand'`` ``(N T, d)`` and ``1 / N`` (``1 / M`` with ``num_terms``);
-    ``'reduce_sum'`` ``(N, d)`` (summed patches, bias entry ``T``) and ``1 / (N T)``;
-    ``'spatial_subsample'`` ``(N s, d)`` and ``T / (N s)``, with ``d = C_in prod(k...) (+1)``
-    (of one group, per group).
+    """Rows of ``A``: ``'expand'`` ``(N T, d)`` and ``1 / M``; ``'reduce_sum'`` ``(N, d)``
+    (summed patches, bias entry ``T``) and ``1 / (M T)``; ``'spatial_subsample'`` ``(N s, d)``
+    and ``T / (M s)``, with ``d = C_in prod(k...) (+1)`` (of one group, per group) and ``M``
+    the loss terms (``N`` for a loss per example, else ``num_terms``).
 
     Raises:
       ValueError: if ``'spatial_subsample'`` asks for more positions than the output has, or the
@@ -476,23 +477,24 @@ class Conv(base.LayerKind):
     """
     sampling = sampling or ConvSampling()
     n = stats.inputs.shape[0]
+    m = base.a_divisor(stats, n)  # the loss terms (N for a loss per example)
     patches = conv_patches(stats)
     if sampling.mode == "expand":
       rows = patches.reshape(-1, patches.shape[-1]).astype(dtype)
       rows = dense.with_ones(rows) if spec.has_bias else rows
-      return base.FactorRows(rows, jnp.asarray(1.0 / base.a_divisor(stats, n), dtype))
+      return base.FactorRows(rows, jnp.asarray(1.0 / m, dtype))
     t = _conv_positions(spec, stats, patches.shape[1:-1])
     x = patches.reshape(n, t, patches.shape[-1]).astype(dtype)
     if sampling.mode == "reduce_sum":
       rows = jnp.sum(x, axis=1)
       if spec.has_bias:
         rows = jnp.concatenate([rows, jnp.full_like(rows[:, :1], t)], axis=1)
-      return base.FactorRows(rows, jnp.asarray(1.0 / (n * t), dtype))
+      return base.FactorRows(rows, jnp.asarray(1.0 / (m * t), dtype))
     s = _check_subsample(spec, sampling, patches.shape[1:-1])
     idx = subsample_positions(key, n, t, s)
     rows = jnp.take_along_axis(x, idx[:, :, None], axis=1).reshape(n * s, x.shape[-1])
     rows = dense.with_ones(rows) if spec.has_bias else rows
-    return base.FactorRows(rows, jnp.asarray(t / (n * s), dtype))
+    return base.FactorRows(rows, jnp.asarray(t / (m * s), dtype))
 
   def input_moments(self, spec, stats, dtype, *, sampling=None):
     """``'expand'``: the column moments of :meth:`input_rows`' rows from
