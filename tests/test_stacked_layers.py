@@ -143,6 +143,22 @@ def test_statistics_without_the_stack_axes_are_rejected():
               curvature_stats=thor_optax.CurvatureStats(layers=layers))
 
 
+def test_micro_batches_of_a_stack_join_after_the_stack_axes():
+  """``concatenate_stats`` of micro-batches of 3 and 5 examples equals the whole batch's
+  statistics for the stacked dense and norm layers (before: joined along the stack axis, or
+  rejected for unequal sizes)."""
+  x, y = jnp.asarray(randn(2, (8, 6))), jnp.arange(8) % 3
+  params = init_params(Scanned(), x)
+  capture = reference.capture(Scanned(), softmax_ce)
+  (_, _), whole = capture(params, x, y)
+  assert dict(whole.stacked) == {"layers/Dense_0": 1, "layers/LayerNorm_0": 1}
+  parts = [capture(params, x[:3], y[:3])[1], capture(params, x[3:], y[3:])[1]]
+  joined = thor_optax.concatenate_stats(*parts)
+  assert jax.tree.structure(joined) == jax.tree.structure(whole)
+  for a, b in zip(jax.tree.leaves(joined), jax.tree.leaves(whole)):
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+
+
 # ------------------------------------------------------------------------------------ NNX
 
 

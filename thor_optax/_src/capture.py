@@ -457,8 +457,10 @@ def _curvature_stats(captured: Mapping[tuple[Any, ...], dict],
       exact.append(path_name(path))
   notes = tuple(f"{path_name(p)}: {why}"
                 for p, why in sorted(unhandled.items(), key=lambda kv: path_name(kv[0])))
+  stacked = tuple(sorted((path_name(p), len(c["stack"])) for p, c in captured.items()
+                         if c["stack"] and not c["steps"]))
   return stats_lib.CurvatureStats(layers=layers, unhandled=notes, exact_rows=tuple(sorted(exact)),
-                                  num_loss_terms=gradient_divisor)
+                                  num_loss_terms=gradient_divisor, stacked=stacked)
 
 
 def _same_sizes(raw: Any, folded: Any) -> bool:

@@ -30,13 +30,15 @@ from thor_optax._src import layers as layers_lib
 from thor_optax._src import stats as stats_lib
 
 
-def _join_layer(name: str, parts: list) -> stats_lib.LayerStats:
-  """One layer's statistics from several micro-batches, joined along the example axis."""
+def _join_layer(name: str, parts: list, depth: int = 0) -> stats_lib.LayerStats:
+  """One layer's statistics from several micro-batches, joined along the example axis (after
+  the ``depth`` leading axes of a stack of layers)."""
   kind = type(parts[0])
   if any(type(p) is not kind for p in parts):
     raise ValueError(f"concatenate_stats: layer {name!r} has statistics of different kinds "
                      f"{sorted({type(p).__name__ for p in parts})} across micro-batches.")
-  axes = layers_lib.kind_of_stats(parts[0]).example_axes  # the layer kind's example axes
+  axes = {key: axis + depth  # the layer kind's example axes, after a stack's
+          for key, axis in layers_lib.kind_of_stats(parts[0]).example_axes.items()}
   static = {f.name: getattr(parts[0], f.name) for f in dataclasses.fields(kind)
             if f.name not in axes and f.name != "num_terms"}
   for i, part in enumerate(parts[1:], start=1):
@@ -103,14 +105,19 @@ def concatenate_stats(*stats: stats_lib.CurvatureStats) -> stats_lib.CurvatureSt
       raise ValueError(
           f"concatenate_stats: micro-batch {i} has statistics for layers {sorted(flat)}, "
           f"micro-batch 0 for {sorted(names)}; capture every micro-batch from the same model.")
+  whole = [s for s in stats if isinstance(s, stats_lib.CurvatureStats)]
+  stacked = whole[0].stacked if whole else ()
+  depths = dict(stacked)
   layers = jax.tree_util.tree_map_with_path(
-      lambda path, *parts: _join_layer("/".join(stats_lib.path_keys(path)), list(parts)),
+      lambda path, *parts: _join_layer(stats_lib.layer_name(stats_lib.path_keys(path)),
+                                       list(parts),
+                                       depths.get(stats_lib.layer_name(stats_lib.path_keys(path)),
+                                                  0)),
       *[s.layers if isinstance(s, stats_lib.CurvatureStats) else s for s in stats],
       is_leaf=stats_lib.is_layer_stats)
   notes = tuple(sorted({note for s in stats for note in getattr(s, "unhandled", ())}))
-  whole = [s for s in stats if isinstance(s, stats_lib.CurvatureStats)]
   exact = (set.intersection(*(set(s.exact_rows) for s in whole))
            if len(whole) == len(stats) else set())
   return stats_lib.CurvatureStats(
       layers=layers, unhandled=notes, exact_rows=tuple(sorted(exact)),
-      num_loss_terms=sum(s.num_loss_terms for s in whole) if exact else 1)
+      num_loss_terms=sum(s.num_loss_terms for s in whole) if exact else 1, stacked=stacked)

@@ -63,6 +63,9 @@ class CurvatureStats:
       (``sample_space.py``).
     num_loss_terms: static int, the number of terms ``M`` the loss averages (1 for a summed
       loss); cotangents are ``M`` times the loss's.
+    stacked: static sorted tuple of ``(layer name, k)`` for the layers of a stack
+      (``nn.scan`` / ``nn.vmap`` over layers): every array of their statistics has ``k``
+      leading stack axes before the kind's own (``concatenate_stats`` joins after them).
 
   Source: this project (the boundary between capture and transforms); the per-layer ``a`` and
   ``g`` are K-FAC's (Martens & Grosse, ICML 2015), a convolution's KFC's (Grosse & Martens,
@@ -75,6 +78,8 @@ class CurvatureStats:
   exact_rows: tuple[str, ...] = dataclasses.field(
       default=(), metadata=dict(static=True))
   num_loss_terms: int = dataclasses.field(default=1, metadata=dict(static=True))
+  stacked: tuple[tuple[str, int], ...] = dataclasses.field(
+      default=(), metadata=dict(static=True))
 
 
 is_layer_stats = layers_lib.is_layer_stats
