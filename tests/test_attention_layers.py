@@ -182,6 +182,22 @@ def test_multi_head_attention_is_preconditioned_like_its_dense_form():
   _assert_close(_as_dense(got), want)
 
 
+class NnxAttention(nnx.Module):
+  """``nnx.MultiHeadAttention`` then a dense head: causal and per position, or unmasked with
+  the positions pooled (a loss per example)."""
+
+  def __init__(self, pooled: bool):
+    self.pooled = pooled
+    self.attn = nnx.MultiHeadAttention(H, D, qkv_features=H * HD, decode=False,
+                                       param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    self.head = nnx.Linear(D, K, param_dtype=jnp.float64, rngs=nnx.Rngs(1))
+
+  def __call__(self, x):
+    if self.pooled:
+      return self.head(self.attn(x).mean(axis=1))
+    return self.head(self.attn(x, mask=nn.make_causal_mask(jnp.ones(x.shape[:2]))))
+
+
 def test_nnx_multi_head_attention_matches_linen():
   """``nnx.MultiHeadAttention`` (``nnx.LinearGeneral`` projections) with the linen model's
   parameters gives the linen model's updates, to the 1e-7 by which Flax's two attention
@@ -191,17 +207,7 @@ def test_nnx_multi_head_attention_matches_linen():
   y = jnp.asarray(np.random.default_rng(5).integers(0, K, (N, T)))
   params = reference.init_params(LinenAttention(), x)
 
-  class Model(nnx.Module):
-
-    def __init__(self):
-      self.attn = nnx.MultiHeadAttention(H, D, qkv_features=H * HD, decode=False,
-                                         param_dtype=jnp.float64, rngs=nnx.Rngs(0))
-      self.head = nnx.Linear(D, K, param_dtype=jnp.float64, rngs=nnx.Rngs(1))
-
-    def __call__(self, x):
-      return self.head(self.attn(x, mask=nn.make_causal_mask(jnp.ones(x.shape[:2]))))
-
-  model = Model()
+  model = NnxAttention(pooled=False)
   nnx.update(model, nnx.State(jax.tree.map(lambda v: v, params)))
   (_, grads), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(model, x, y)
   assert not stats.unhandled
@@ -252,17 +258,8 @@ def test_auto_expands_the_attention_key_under_a_per_example_loss():
   assert float(jnp.abs(attn["auto"]["key"]["kernel"] - attn["reduce"]["key"]["kernel"]).max()
                ) > 1e-3
 
-  class Model(nnx.Module):
-
-    def __init__(self):
-      self.attn = nnx.MultiHeadAttention(H, D, qkv_features=H * HD, decode=False,
-                                         param_dtype=jnp.float64, rngs=nnx.Rngs(0))
-      self.head = nnx.Linear(D, K, param_dtype=jnp.float64, rngs=nnx.Rngs(1))
-
-    def __call__(self, inputs):
-      return self.head(self.attn(inputs).mean(axis=1))
-
-  (_, _), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(Model(), x, y)
+  (_, _), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(
+      NnxAttention(pooled=True), x, y)
   assert stats.layers["attn"]["key"].cotangents.shape == (1, N, T, H * HD)
   assert stats.layers["attn"]["value"].cotangents.shape == (1, N, H * HD)
 

@@ -326,19 +326,22 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
     return [getattr(layers[path], _PROBE).get_value() for path in order]
 
   probes = [jax.ShapeDtypeStruct(own[path].shape, own[path].dtype) for path in order]
-  jaxpr = jax.make_jaxpr(run)(params, rest, probes).jaxpr
-  probe_vars = jaxpr.invars[len(jaxpr.invars) - len(order):]
-  for path, var_in, var_out in zip(order, probe_vars, jaxpr.outvars):
-    if path not in written:
-      continue
-    # The write never left an nnx.scan (a broadcast cell), or came out of a loop as its carry
-    # (nnx.RNN carries its cell's state) while the layer is not one of a stack.
-    if var_out is var_in or (_from_loop(jaxpr, var_out)
-                             and not any(c.stack for c in calls[path])):
-      calls[path] = [c._replace(shared_over="nnx.scan") for c in calls[path]]
+  _mark_scan_shared(jax.make_jaxpr(run)(params, rest, probes).jaxpr, order, written, calls)
   # A layer called inside a raw JAX transform (its variables cannot be written there) is left
   # to _module_reasons, which lists it; its calls elsewhere are dropped with it.
   return {path: seen for path, seen in calls.items() if path not in raw}, dtypes
+
+
+def _mark_scan_shared(jaxpr: Any, order: list, written: set, calls: dict) -> None:
+  """Marks ``shared_over='nnx.scan'`` the calls of each layer whose probe write (the last
+  ``len(order)`` inputs and the outputs of the discovery pass's ``jaxpr``) never left an
+  ``nnx.scan`` (a broadcast cell), or came out of a loop as its carry (``nnx.RNN`` carries its
+  cell's state) while the layer is not one of a stack."""
+  probe_vars = jaxpr.invars[len(jaxpr.invars) - len(order):]
+  for path, var_in, var_out in zip(order, probe_vars, jaxpr.outvars):
+    if path in written and (var_out is var_in or (
+        _from_loop(jaxpr, var_out) and not any(c.stack for c in calls[path]))):
+      calls[path] = [c._replace(shared_over="nnx.scan") for c in calls[path]]
 
 
 def _from_loop(jaxpr: Any, var: Any) -> bool:
