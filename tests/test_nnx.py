@@ -643,3 +643,25 @@ def test_call_time_rngs_and_call_errors():
   with pytest.raises(ValueError, match="outputs hold a value JAX cannot trace"):
     thor_nnx.value_and_grad_with_stats(lambda o, t: _loss(o.logits, t), num_loss_terms=8)(
         Plain(), x, y)
+
+
+def test_bridge_wrappers_are_listed_as_such():
+  """A linen model inside ``nnx.bridge.ToNNX`` (NNX capture) and an NNX model inside
+  ``nnx.bridge.ToLinen`` (linen capture): their layers are listed as inside a bridge, with
+  exact gradients (before: "module kind not supported ... register_layer_kind", though both
+  are built-in kinds)."""
+  from flax.nnx import bridge  # pylint: disable=import-outside-toplevel
+  x, y = _data()
+  wrapped = bridge.ToNNX(LinenMLP(), rngs=nnx.Rngs(0))
+  bridge.lazy_init(wrapped, x)
+  (_, grads), stats = thor_nnx.value_and_grad_with_stats(_loss)(wrapped, x, y)
+  want = nnx.grad(lambda m: _loss(m(x), y))(nnx.clone(wrapped))
+  for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(nnx.to_pure_dict(want))):
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+  assert not stats.layers and stats.unhandled
+  assert all("inside an nnx.bridge wrapper, whose linen layers" in n for n in stats.unhandled)
+  linen = bridge.ToLinen(NnxMLP, args=())
+  params = linen.init(jax.random.PRNGKey(0), x)["params"]
+  (_, _), stats = thor_linen.value_and_grad_with_stats(linen, _loss)(params, x, y)
+  assert not stats.layers and stats.unhandled
+  assert all("whose NNX layers" in n for n in stats.unhandled), stats.unhandled

@@ -74,6 +74,7 @@ from typing import (Any, Callable, Collection, Iterable, Mapping, NamedTuple, Op
                     Union)
 
 import flax.linen as nn
+from flax.nnx import bridge as nnx_bridge
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,6 +112,18 @@ def unsupported_reasons(leaf_paths: Iterable[tuple[Any, ...]]) -> dict[tuple[Any
             "through unpreconditioned; thor_optax.register_layer_kind can take it)")
 
   return {module: reason(names) for module, names in leaves.items()}
+
+
+def bridged_reasons(reasons: dict[tuple[Any, ...], str], bridges: Iterable[tuple[Any, ...]],
+                    other_api: str) -> dict[tuple[Any, ...], str]:
+  """``reasons`` with those of modules under an ``nnx.bridge`` wrapper (at a path of
+  ``bridges``) saying so: the capture does not follow the other API's modules inside it."""
+  bridges = [tuple(b) for b in bridges]
+  return {owner: (f"inside an nnx.bridge wrapper, whose {other_api} layers this capture does "
+                  "not follow (their gradients pass through): capture that part with its own "
+                  "API's value_and_grad_with_stats, or write its layers in this one"
+                  if any(owner[:len(b)] == b for b in bridges) else why)
+          for owner, why in reasons.items()}
 
 
 def output_cotangents(outputs: jax.Array, dloss: jax.Array, num_terms: int, fisher_type: str,
@@ -1175,10 +1188,11 @@ def value_and_grad_with_stats(
         return apply.outputs({"params": p, **model_state}, inputs)
 
     shared.update(used_outside_their_calls(zeroed, params, set(calls) - set(shared)))
-    captured, unhandled = plan_calls(
-        calls, unsupported_reasons(stats_lib.path_keys(path) for path, _ in
-                                   jax.tree_util.tree_flatten_with_path(params)[0]),
-        counts, shared, weight_sharing, keys)
+    reasons = unsupported_reasons(stats_lib.path_keys(path) for path, _ in
+                                  jax.tree_util.tree_flatten_with_path(params)[0])
+    if isinstance(model, nnx_bridge.ToLinen):  # (one deeper in a linen model: the generic reason)
+      reasons = bridged_reasons(reasons, [()], "NNX")
+    captured, unhandled = plan_calls(calls, reasons, counts, shared, weight_sharing, keys)
     forward = functools.partial(
         _forward, apply, model_state, inputs,
         {p: c["kind"] for p, c in captured.items() if c["kind"].normalized_input},

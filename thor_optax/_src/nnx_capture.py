@@ -72,6 +72,7 @@ from typing import Any, Callable, Iterator, Optional
 from flax import errors as flax_errors
 import flax.linen as linen
 from flax import nnx
+from flax.nnx import bridge as nnx_bridge
 from flax.nnx import graph as nnx_graph
 import jax
 import jax.numpy as jnp
@@ -253,7 +254,8 @@ def _module_reasons(model: nnx.Module, params: nnx.State) -> dict[tuple[Any, ...
     if layers_lib.kind_of_module(modules.get(owner)) is not None:
       reasons[owner] = ("not called in the forward pass, or called inside a raw jax transform "
                         "(jax.lax.scan, jax.checkpoint) instead of its nnx counterpart")
-  return reasons
+  return capture_lib.bridged_reasons(
+      reasons, [p for p, m in modules.items() if isinstance(m, nnx_bridge.ToNNX)], "linen")
 
 
 def _attention_keys(model: nnx.Module) -> frozenset:
