@@ -511,7 +511,8 @@ def loss_terms(outputs: Any, options: "FisherOptions") -> int:
           and leaves[0] is outputs else f"a {type(outputs).__name__} of {len(leaves)} arrays")
   raise ValueError(
       f"thor_optax value_and_grad_with_stats: the model returns {what}, so the number of terms "
-      f"the {options.loss_reduction} loss {'sums' if options.loss_reduction == 'sum' else 'averages'} "
+      f"the {options.loss_reduction} loss "
+      f"{'sums' if options.loss_reduction == 'sum' else 'averages'} "
       "cannot be read from the output's leading axes. Pass num_loss_terms=<int> (e.g. the "
       "batch size N for a loss over examples, N * T for one over all positions).")
 
@@ -1114,8 +1115,9 @@ def value_and_grad_with_stats(
       cheaper; exact when positions are pooled before a per-example loss, a classifying
       ViT), or ``'auto'`` (default): expand when the loss has more terms than examples, else
       reduce, except for the key projections of Flax's attention modules, always expanded
-      (their cotangents sum to zero over the positions: reduce's ``G`` would vanish). Dense and ``DenseGeneral`` layers; embeddings always expand, convolutions
-      follow the transforms' ``conv_statistics``. A layer whose weights a lifted loop applies
+      (their cotangents sum to zero over the positions: reduce's ``G`` would vanish). Dense
+      and ``DenseGeneral`` layers; embeddings always expand, convolutions follow the
+      transforms' ``conv_statistics``. A layer whose weights a lifted loop applies
       at every iteration (a recurrent cell) is always folded with reduce over the iterations,
       whose rows do not leave the loop; ``'expand'`` lists it with that reason.
 
