@@ -665,3 +665,28 @@ def test_bridge_wrappers_are_listed_as_such():
   (_, _), stats = thor_linen.value_and_grad_with_stats(linen, _loss)(params, x, y)
   assert not stats.layers and stats.unhandled
   assert all("whose NNX layers" in n for n in stats.unhandled), stats.unhandled
+
+
+def test_wrt_selecting_variables_that_are_not_params_is_an_error():
+  """``wrt`` selecting a trainable ``nnx.Variable`` of the user's (as ``nnx.Optimizer`` and
+  ``nnx.grad`` accept): the capture differentiates ``nnx.Param`` only, so it says so (before:
+  that gradient was dropped and the optimizer failed with a pytree structure error)."""
+
+  class Temperature(nnx.Variable):
+    pass
+
+  class Scaled(nnx.Module):
+    def __init__(self):
+      self.l = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+      self.t = Temperature(jnp.array(1.5))
+
+    def __call__(self, v):
+      return self.l(v) / self.t[...]
+
+  x, y = _data()
+  with pytest.raises(ValueError, match=r"wrt selects variables that are not nnx.Param \(t\)"):
+    thor_nnx.value_and_grad_with_stats(_loss, wrt=nnx.Any(nnx.Param, Temperature))(
+        Scaled(), x, y)
+  (_, grads), _ = thor_nnx.value_and_grad_with_stats(
+      _loss, wrt=nnx.All(nnx.Param, nnx.PathContains("l")))(Scaled(), x, y)
+  assert sorted(grads["l"]) == ["bias", "kernel"]

@@ -507,6 +507,7 @@ def value_and_grad_with_stats(
       ``num_loss_terms``; from ``fn``, for a sampled Fisher called without ``rng``, outputs
       whose number of loss terms cannot be read from their shape, or a sampled or exact Fisher
       of a model that does not return one array.
+    ValueError: from ``fn``, if ``wrt`` selects variables that are not ``nnx.Param``.
     TypeError: if ``loss_fn`` is a module rather than a function (the model goes to ``fn``);
       from ``fn``, if ``model`` is not an ``nnx.Module`` (e.g. a linen module: use
       ``thor_optax.flax.value_and_grad_with_stats``).
@@ -531,6 +532,8 @@ def value_and_grad_with_stats(
       raise TypeError(
           f"value_and_grad_with_stats (NNX) needs an nnx.Module, got {type(model).__name__}; "
           "for a linen module use thor_optax.flax.value_and_grad_with_stats.")
+    if wrt is not nnx.Param:
+      _check_wrt(model, wrt)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     capture_lib.check_rng_keyword(type(model).__call__, rng,
                                   "thor_optax.nnx.value_and_grad_with_stats")
@@ -557,6 +560,21 @@ def value_and_grad_with_stats(
     return (loss, grads), stats
 
   return fn
+
+
+def _check_wrt(model: nnx.Module, wrt: Any) -> None:
+  """Raises ``ValueError`` if ``wrt`` selects variables that are not ``nnx.Param`` (a
+  trainable ``nnx.Variable`` subclass of the user's): the capture differentiates the model's
+  ``Param`` leaves only, so their gradients would be missing."""
+  others = [tuple(path) for path, _ in nnx.to_flat_state(
+      nnx.state(model, nnx.All(wrt, nnx.Not(nnx.Param))))]
+  if others:
+    names = ", ".join(capture_lib.path_name(p) for p in others[:4])
+    raise ValueError(
+        f"thor_optax.nnx.value_and_grad_with_stats: wrt selects variables that are not "
+        f"nnx.Param ({names}{', ...' if len(others) > 4 else ''}); the capture differentiates "
+        "nnx.Param leaves only, so their gradients would be missing. Make them nnx.Param (a "
+        "subclass of it), or train them with another optimizer outside this capture.")
 
 
 def _zeroed_forward(graphdef, rest, inputs, call_kwargs, params):
