@@ -74,6 +74,7 @@ from typing import (Any, Callable, Collection, Iterable, Mapping, NamedTuple, Op
                     Union)
 
 import flax.linen as nn
+from flax import nnx
 from flax.nnx import bridge as nnx_bridge
 import jax
 import jax.numpy as jnp
@@ -515,11 +516,6 @@ def loss_terms(outputs: Any, options: "FisherOptions") -> int:
       f"{'sums' if options.loss_reduction == 'sum' else 'averages'} "
       "cannot be read from the output's leading axes. Pass num_loss_terms=<int> (e.g. the "
       "batch size N for a loss over examples, N * T for one over all positions).")
-
-
-def _is_nnx_module(obj: Any) -> bool:
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  return isinstance(obj, nnx.Module)
 
 
 def check_rng_keyword(call: Callable[..., Any], rng: Any, where: str) -> None:
@@ -1164,7 +1160,7 @@ def value_and_grad_with_stats(
         f"thor_optax.flax.value_and_grad_with_stats needs a flax.linen Module, got "
         f"{type(model).__name__}"
         + ("; for an NNX model use thor_optax.nnx.value_and_grad_with_stats(loss_fn)(model, x, "
-           "y)." if _is_nnx_module(model) else "."))
+           "y)." if isinstance(model, nnx.Module) else "."))
   if not callable(loss_fn) or isinstance(loss_fn, nn.Module):
     raise TypeError(f"thor_optax.flax.value_and_grad_with_stats: loss_fn must be a function "
                     f"loss_fn(outputs, targets) -> scalar, got {type(loss_fn).__name__}.")

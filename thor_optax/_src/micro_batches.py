@@ -108,12 +108,13 @@ def concatenate_stats(*stats: stats_lib.CurvatureStats) -> stats_lib.CurvatureSt
   whole = [s for s in stats if isinstance(s, stats_lib.CurvatureStats)]
   stacked = whole[0].stacked if whole else ()
   depths = dict(stacked)
+
+  def join(path, *parts):
+    name = stats_lib.layer_name(stats_lib.path_keys(path))
+    return _join_layer(name, list(parts), depths.get(name, 0))
+
   layers = jax.tree_util.tree_map_with_path(
-      lambda path, *parts: _join_layer(stats_lib.layer_name(stats_lib.path_keys(path)),
-                                       list(parts),
-                                       depths.get(stats_lib.layer_name(stats_lib.path_keys(path)),
-                                                  0)),
-      *[s.layers if isinstance(s, stats_lib.CurvatureStats) else s for s in stats],
+      join, *[s.layers if isinstance(s, stats_lib.CurvatureStats) else s for s in stats],
       is_leaf=stats_lib.is_layer_stats)
   notes = tuple(sorted({note for s in stats for note in getattr(s, "unhandled", ())}))
   exact = (set.intersection(*(set(s.exact_rows) for s in whole))
