@@ -15,7 +15,8 @@ Three tables per model (the MLP and the CNN of ``benchmarks/mnist.py``, real MNI
    past ``omega1 = 0.01`` only where its covariance is not drowned by its damping: on the MLP
    with every block chosen, 16 of 22 are refreshed, not the first hidden layer's 4 ``G`` blocks
    (cotangent trace about 0.05 next to the damping's 128 sqrt(0.03) = 22: the inverse is the
-   damping's either way) nor the 2 ``A`` blocks that hold only a bias column (constant 1, not scaled).
+   damping's either way) nor the 2 ``A`` blocks that hold only a bias column (constant 1, not
+   scaled).
    The table times the preconditioner's ``update`` on it (traces, trace rule, covariances and
    inversions of the blocks due, preconditioning) and counts the blocks actually refreshed (from
    the state's diagnostics).
