@@ -918,7 +918,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--plot", default="lm.png",
                  help="write the curves to this PNG; '' for none (default: %(default)s)")
   options.add_optimizer_options(
-      p, OPTIMIZERS, SECOND_ORDER, lambda name: DEFAULT_LEARNING_RATE[name], lambda name: DEFAULT_DAMPING[name], "thor=1,20,300 kfac-expand=1", DEFAULT_CHECKS,
+      p, OPTIMIZERS, SECOND_ORDER, lambda name: DEFAULT_LEARNING_RATE[name],
+      lambda name: DEFAULT_DAMPING[name], "thor=1,20,300 kfac-expand=1", DEFAULT_CHECKS,
       "the validation split", "--steps")
   options.add_lapack_threads_option(p)
   args = p.parse_args(argv)

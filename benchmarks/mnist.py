@@ -30,10 +30,10 @@ Setup:
   every step, adaptive refresh, unit-wise BatchNorm, weight rescaling), ``sgd`` (momentum 0.9),
   ``adam`` and ``muon`` (``optax.contrib.muon``: the hidden kernels orthogonalized, a conv
   kernel as its ``(9 c_in, c_out)`` matrix; the output layer, biases and BatchNorms take its
-  Adam steps at Adam's tuned rate); all from the same init, on the same batches (128 digits, a new seeded
-  permutation every epoch). Every second-order alias preconditions the BatchNorm layers of
-  ``cnn_bn`` with the unit-wise 2x2 Fisher. THOR's interval: on the validation split
-  (below, learning rate 0.03), checks at every step, ``growing_interval(1, 20, 200)``,
+  Adam steps at Adam's tuned rate); all from the same init, on the same batches (128 digits, a new
+  seeded permutation every epoch). Every second-order alias preconditions the BatchNorm layers of
+  ``cnn_bn`` with the unit-wise 2x2 Fisher. THOR's interval: on the validation split (below,
+  learning rate 0.03), checks at every step, ``growing_interval(1, 20, 200)``,
   ``(2, 20, 200)`` and ``(5, 50, 200)`` gave mean validation accuracies within 0.002 of each
   other on both models, so the cheapest is the default;
 * the second-order optimizers use two jitted steps: a *check step* that captures the layers'
@@ -859,7 +859,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--plot", default="mnist.png",
                  help="write the curves to this PNG; '' for none (default: %(default)s)")
   options.add_optimizer_options(
-      p, OPTIMIZERS, SECOND_ORDER, lambda name: "the tuned one of each task", lambda name: "the tuned one of each task", "thor=1,20,200 kfac=10", DEFAULT_CHECKS,
+      p, OPTIMIZERS, SECOND_ORDER, lambda name: "the tuned one of each task",
+      lambda name: "the tuned one of each task", "thor=1,20,200 kfac=10", DEFAULT_CHECKS,
       "a validation split", "half of each task's default steps")
   p.add_argument("--tune-joint", action="store_true",
                  help="--tune: search the second-order optimizers' learning rate and damping "

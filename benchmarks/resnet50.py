@@ -169,8 +169,9 @@ def main(argv=None) -> None:
                                                                   batches[0][0])
   params = variables["params"]
   num_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params))
-  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; ResNet-50 ({num_params / 1e6:.1f}M "
-        f"parameters), batch {args.batch_size}, {args.image_size}x{args.image_size}, "
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; "
+        f"ResNet-50 ({num_params / 1e6:.1f}M parameters), batch {args.batch_size}, "
+        f"{args.image_size}x{args.image_size}, "
         f"{args.dtype} activations, float32 parameters and curvature", flush=True)
 
   references = {

@@ -1,10 +1,10 @@
 """Layer kinds: what the package knows about each kind of layer, and how to add one.
 
-A kind is a :class:`LayerKind` subclass instance registered with :func:`register_layer_kind`
-(tried before the built-in kinds). The built-in kinds are instances of ``Dense``, ``Conv``,
-``ConvTranspose``, ``DenseGeneral``, ``Einsum``, ``Embed`` and ``Norm`` (``registered()`` lists them in the order
-they are tried); subclass one of these classes to reuse its factors (see the README's "Layer
-kinds of your own").
+A kind is a :class:`LayerKind` subclass instance registered with :func:`register_layer_kind` (tried
+before the built-in kinds). The built-in kinds are instances of ``Dense``, ``Conv``,
+``ConvTranspose``, ``DenseGeneral``, ``Einsum``, ``Embed`` and ``Norm`` (``registered()`` lists them
+in the order they are tried); subclass one of these classes to reuse its factors (see the README's
+"Layer kinds of your own").
 """
 
 from thor_optax._src.layers import register_layer_kind

@@ -713,9 +713,9 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
         f"(layers and their kinds: {kinds}). Were they captured from a different model? Capture "
         "them from the model whose gradients you pass (inside optax.masked / optax.partition, "
         "layers of the other partitions are ignored; with nnx.Optimizer(model, tx, wrt=...), "
-        "pass the same wrt= to thor_optax.nnx.value_and_grad_with_stats). A layer whose parameter shapes do not "
-        "show how the model applies it (an nn.Einsum kernel) needs the capture's layout: "
-        "layers=thor_optax.captured_layers(stats).")
+        "pass the same wrt= to thor_optax.nnx.value_and_grad_with_stats). A layer whose "
+        "parameter shapes do not show how the model applies it (an nn.Einsum kernel) needs the "
+        "capture's layout: layers=thor_optax.captured_layers(stats).")
   flat = {name: (layout.layer(name).flat_stack(layer) if layout.layer(name).stack else layer)
           for name, layer in flat.items()}
   silent = {name: why for name, why in reasons.items()

@@ -9,14 +9,14 @@ Why class-level patching. Linen routes every module method through
 ``flax.linen.intercept_methods``; NNX has no such hook. ``nnx.capture``/``sow``/``perturb`` work
 only where the model itself calls them, i.e. they need a model edit. So while the capture runs
 its forward passes, the intercepted methods of every registered layer kind's NNX classes
-(``layers/``: ``__call__`` of ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``,
-``nnx.Conv``, ``nnx.Embed``, ``nnx.BatchNorm``, ``nnx.LayerNorm``, ``nnx.GroupNorm`` and
-``nnx.RMSNorm``, and ``nnx.Embed.attend``, a tied embedding's second use) are replaced on the class by a wrapper, inside a context manager that restores
-the originals in ``finally``. User models are never edited. The wrappers act only on the
-thread that entered the context and only on the modules of the model copy being captured (found
-by object identity); every other call, in this or another thread, goes to the original method.
-Nested captures are reference-counted, so the classes are restored when the outermost one
-exits.
+(``layers/``: ``__call__`` of ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``,
+``nnx.Embed``, ``nnx.BatchNorm``, ``nnx.LayerNorm``, ``nnx.GroupNorm`` and ``nnx.RMSNorm``, and
+``nnx.Embed.attend``, a tied embedding's second use) are replaced on the class by a wrapper, inside
+a context manager that restores the originals in ``finally``. User models are never edited. The
+wrappers act only on the thread that entered the context and only on the modules of the model copy
+being captured (found by object identity); every other call, in this or another thread, goes to the
+original method. Nested captures are reference-counted, so the classes are restored when the
+outermost one exits.
 
 How the model is run. The model is split into its ``nnx.Param`` state and the rest
 (``BatchStat``, RNG keys and counts, other variables); the forward pass merges a fresh copy
@@ -156,7 +156,8 @@ _PATH = "_thor_path"  # static attribute (kept in the graphdef through lifted tr
 _PROBE = "_thor_probe"  # discovery: written by every __call__ (dropped under a scan broadcast)
 _PERTURBATION = "_thor_perturbation"
 _INPUT = "_thor_input"
-_STEPS = "_thor_steps"  # step_sharing.StepChannels.steps (inputs: _INPUT, cotangents: _PERTURBATION)
+# step_sharing.StepChannels.steps (inputs: _INPUT, cotangents: _PERTURBATION)
+_STEPS = "_thor_steps"
 
 
 def _layers(model: nnx.Module) -> dict[tuple[Any, ...], nnx.Module]:
@@ -435,20 +436,19 @@ def value_and_grad_with_stats(
 ) -> Callable[..., Any]:
   """Loss, gradients and per-layer curvature statistics of a Flax NNX model, in one pass.
 
-  The NNX counterpart of ``thor_optax.flax.value_and_grad_with_stats``: the model is not
-  edited (the captured layer classes are patched while the capture runs; see the module
-  docstring). Captured: ``nnx.Linear`` (any number of leading axes), ``nnx.LinearGeneral``
-  and ``nnx.Einsum`` (``nnx.MultiHeadAttention``'s projections; an einsum that is a matrix
-  product per position), ``nnx.Conv`` (1-D, 2-D or 3-D, channels last, grouped or
-  depthwise, unmasked, SAME/VALID/explicit or 1-D CAUSAL padding; grouped ones, and 1-D and
-  3-D ones without bias, need ``layers=thor_optax.captured_layers(stats)``), ``nnx.Embed`` (tied or not), ``nnx.BatchNorm``,
-  ``nnx.LayerNorm``, ``nnx.GroupNorm`` and ``nnx.RMSNorm`` (scale and/or bias over the last
-  axis; ``RMSNorm``: scale only), each called once per forward pass, directly or inside
-  ``nnx.remat``, ``nnx.scan`` or ``nnx.vmap`` (a stack of layers whose parameters have leading
-  layer axes: statistics per layer of the stack; weights applied at every iteration, as a
-  recurrent cell's, get K-FAC-reduce over the iterations, see the module docstring), or used
-  several times directly in the forward pass (weight sharing: every use joins the layer's
-  statistics).
+  The NNX counterpart of ``thor_optax.flax.value_and_grad_with_stats``: the model is not edited (the
+  captured layer classes are patched while the capture runs; see the module docstring). Captured:
+  ``nnx.Linear`` (any number of leading axes), ``nnx.LinearGeneral`` and ``nnx.Einsum``
+  (``nnx.MultiHeadAttention``'s projections; an einsum that is a matrix product per position),
+  ``nnx.Conv`` (1-D, 2-D or 3-D, channels last, grouped or depthwise, unmasked, SAME/VALID/explicit
+  or 1-D CAUSAL padding; grouped ones, and 1-D and 3-D ones without bias, need
+  ``layers=thor_optax.captured_layers(stats)``), ``nnx.Embed`` (tied or not), ``nnx.BatchNorm``,
+  ``nnx.LayerNorm``, ``nnx.GroupNorm`` and ``nnx.RMSNorm`` (scale and/or bias over the last axis;
+  ``RMSNorm``: scale only), each called once per forward pass, directly or inside ``nnx.remat``,
+  ``nnx.scan`` or ``nnx.vmap`` (a stack of layers whose parameters have leading layer axes:
+  statistics per layer of the stack; weights applied at every iteration, as a recurrent cell's, get
+  K-FAC-reduce over the iterations, see the module docstring), or used several times directly in the
+  forward pass (weight sharing: every use joins the layer's statistics).
 
   Args:
     loss_fn: scalar training loss of the model output and the targets,

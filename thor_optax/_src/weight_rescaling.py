@@ -54,13 +54,13 @@ def rescale_weight_norms(
   """Caps the Frobenius norm of every kernel after the step (SP-NGD's weight rescaling).
 
   For the weight of every layer whose kind is He-rescaled (the registered layer kinds with
-  ``he_rescaled``: dense ``(d_in, d_out)`` and conv HWIO ``(k_h, k_w, C_in, C_out)`` kernels): with ``w = param + update`` and
-  the cap ``c = max_norm(param.shape)`` (default ``sqrt(2 * shape[-1])``), if
-  ``||w||_F > c`` the update becomes ``(c / ||w||_F) * w - param``, so that the new parameter
-  ``param + update`` has norm ``c`` (up to rounding); otherwise the update is unchanged. Other
-  leaves (biases, normalization scales and offsets, embeddings, rank-1 ``kernel`` leaves) are
-  unchanged, as are kernels whose ``w`` is not finite. Norms are computed in at least float32;
-  the update keeps its dtype.
+  ``he_rescaled``: dense ``(d_in, d_out)`` and conv HWIO ``(k_h, k_w, C_in, C_out)`` kernels): with
+  ``w = param + update`` and the cap ``c = max_norm(param.shape)`` (default
+  ``sqrt(2 * shape[-1])``), if ``||w||_F > c`` the update becomes ``(c / ||w||_F) * w - param``, so
+  that the new parameter ``param + update`` has norm ``c`` (up to rounding); otherwise the update is
+  unchanged. Other leaves (biases, normalization scales and offsets, embeddings, rank-1 ``kernel``
+  leaves) are unchanged, as are kernels whose ``w`` is not finite. Norms are computed in at least
+  float32; the update keeps its dtype.
 
   Put it last in the chain, after the learning rate and momentum (its updates are the final
   parameter increments), e.g. ``optax.chain(scale_by_kfac(...), optax.sgd(lr, 0.9),
