@@ -502,6 +502,18 @@ def test_state_of_a_model_with_other_factor_sizes_is_named(make):
       jax.jit(functools.partial(tx.update, **extra))(grads, state, params)
 
 
+def test_state_of_a_norm_of_other_size_is_named():
+  """A LayerNorm of 8 features in the state, of 6 in the gradients: the block stacks are the
+  same, only the layer's unit-wise side curvature differs."""
+  model = nn.Sequential([nn.Dense(6), nn.LayerNorm(), nn.Dense(3)])
+  params = model.init(jax.random.PRNGKey(0), jnp.ones((2, 5)))["params"]
+  other = dict(params, layers_1={"scale": jnp.ones(8), "bias": jnp.zeros(8)})
+  tx = thor_optax.spngd(LR)
+  with pytest.raises(ValueError, match=r"layer 'layers_1' needs side curvature of shapes "
+                     r"\[\(6, 2, 2\).*but the state holds \[\(8, 2, 2\)"):
+    tx.update(params, tx.init(other), params)
+
+
 def test_integer_statistics_are_rejected():
   params, grads, stats = _setup()
   as_int = jax.tree.map(lambda a: a.astype(jnp.int32), stats)

@@ -345,6 +345,17 @@ def _check_state_matches(layout: blocks.BlockLayout, state: KroneckerState,
         "whose gradients you pass.")
   want = shapes(jax.eval_shape(lambda: init_state(layout, jnp.float32, cfg)))
   have = shapes(state)
+  if want[0] == have[0] and sorted(want[1]) == sorted(have[1]):
+    name = next((k for k in sorted(want[1]) if want[1][k] != have[1][k]), None)
+    if name is not None:
+      leaf_shapes = lambda tree: [tuple(x) for x in jax.tree.leaves(
+          tree, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))]
+      raise ValueError(
+          f"optimizer state does not match the gradient tree: layer {name!r} needs side "
+          f"curvature of shapes {leaf_shapes(want[1][name])} (from its parameters in the "
+          f"gradients), but the state holds {leaf_shapes(have[1][name])} (a parameter of "
+          "another size under the same name). Initialise the state with tx.init(params) of "
+          "the model whose gradients you pass.")
   if want != have:
     raise ValueError(
         "optimizer state does not match the gradient tree: the gradients' layers need the "
