@@ -10,6 +10,9 @@
 * embeddings: diagonal ``A`` of token frequencies with a full ``G``.
 """
 
+import contextlib
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.extend.core
@@ -308,6 +311,36 @@ def test_decoupled_inverse_period_inverts_the_running_average(wide):
   np.testing.assert_allclose(state.blocks["b11"]["accumulator"].factor[0], ema, rtol=1e-12)
   assert int(state.accumulator.next_inverse) == 2 * period
   assert int(state.diagnostics["Dense_0"].total_refreshes) == 4  # 2 inversions x (A, G)
+
+
+def test_stale_factor_of_a_layer_without_statistics_waits_for_them(wide):
+  """An inverting check whose statistics leave out ``Dense_0`` keeps its inverse (its stored
+  average is newer than it, but the check has no damping for it); the next inverting check with
+  its statistics inverts the average with ``sqrt(lambda)``. Before, the left-out blocks were
+  inverted with the filler damping 1."""
+  params, grads, _ = wide
+  decay, period = 0.5, 2
+  tx = thor_optax.scale_by_kfac(LAM, ema_decay=decay, inverse_period=period)
+  state = jax.jit(tx.init)(params)
+  step = jax.jit(lambda g, s, c: tx.update(g, s, None, curvature_stats=c))
+  ema = None
+  for t in range(5):
+    _, stats = _batch_stats(Wide(), params, 40 + t)
+    if t == 2:  # an inverting check without Dense_0
+      stats = dataclasses.replace(stats, layers={"Dense_1": stats.layers["Dense_1"]})
+      kept = np.asarray(inverse_blocks(state)["b11"][0])
+    else:
+      A, _ = reference_factors(stats.layers["Dense_0"], True)
+      ema = A if ema is None else decay * ema + (1 - decay) * A
+    with pytest.warns(UserWarning, match="no statistics") if t == 2 else contextlib.nullcontext():
+      _, state = step(grads, state, stats)
+    if t == 2:
+      np.testing.assert_array_equal(inverse_blocks(state)["b11"][0], kept)
+  # Inverted again at step 4, the next inverting check, from the average of steps 0, 1, 3, 4.
+  np.testing.assert_allclose(inverse_blocks(state)["b11"][0],
+                             np.linalg.inv(ema + LAM**0.5 * np.eye(11)), rtol=1e-9)
+  assert int(state.diagnostics["Dense_0"].total_refreshes) == 4  # steps 0 and 4 x (A, G)
+  assert int(state.blocks["b11"]["record"].refreshes[0]) == 2
 
 
 def test_inverse_period_schedule_equals_int(wide):

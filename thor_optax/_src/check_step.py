@@ -520,8 +520,11 @@ def refresh_stack(group: str, stack: dict, inputs: StackInputs, layout: blocks.B
     acc = cfg.accumulator.accumulate(cov, update, never | jnp.asarray(replaced), accumulated,
                                      invert_now)
     real = jnp.asarray(layout.real_dims(group), record.trace_ref.dtype)
+    # A stored factor newer than its inverse waits for a check that has its layer's statistics:
+    # without them the block has no damping here (a layer left out of curvature_stats, its
+    # statistics not finite or rejected), and it keeps the inverse it has, as promised.
     inverse, refreshed = blocks.masked_block_update(
-        acc.invert, inverse, lambda idx: method.refresh_covariance(
+        acc.invert & inputs.valid, inverse, lambda idx: method.refresh_covariance(
             jnp.take(acc.source, idx, axis=0), inputs.damping[idx], real[idx],
             cfg.block_sharding), cfg.num_buckets, batched=cfg.block_sharding is not None)
     if acc.state is not None:
