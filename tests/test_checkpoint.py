@@ -24,6 +24,7 @@ import optax
 
 import checkpoint_resume as helper
 import thor_optax
+from thor_optax.flax import value_and_grad_with_stats
 import reference
 from reference import assert_orbax_round_trip
 
@@ -152,3 +153,21 @@ def test_every_state_field_round_trips(tmp_path):
   assert jax.tree.structure(restored) == jax.tree.structure(tree)
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(tree)):
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_state_restored_as_numpy_steps_eagerly():
+  """Flax's msgpack (and ``jax.device_get``) give back numpy arrays: an eager (not jitted) check
+  step on them gives the step of the state they came from. SKFAC's Woodbury refresh from the
+  rows and the batched refresh wrote into the state with ``.at[...]``, which numpy lacks."""
+  model = nn.Sequential([nn.Dense(8), jnp.tanh, nn.Dense(3)])
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 5)))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  (_, grads), stats = value_and_grad_with_stats(model, reference.softmax_ce)(
+      params, x, jnp.arange(4) % 3)
+  tx = thor_optax.skfac(0.1)
+  _, state = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+  restored = serialization.from_bytes(state, serialization.to_bytes(state))
+  assert isinstance(jax.tree.leaves(restored)[-1], np.ndarray)
+  want = tx.update(grads, state, params, curvature_stats=stats)
+  got = tx.update(grads, restored, params, curvature_stats=stats)
+  jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -469,8 +469,10 @@ def kronecker_preconditioner(cfg: Curvature, name: str = "scale_by_thor"
     given = state
     # A state laid out with explicit shardings (block stacks sharded over a mesh axis,
     # kronecker_state_sharding's MEM-OPT) is gathered for the step (slices of a layer's blocks
-    # need not fall on shard boundaries) and returned laid out as it came.
-    state = jax.tree.map(explicit.replicate, state)
+    # need not fall on shard boundaries) and returned laid out as it came. A state restored as
+    # numpy arrays (jax.device_get, flax.serialization) becomes jax arrays (an eager step's
+    # in-place updates are written `.at[...]`).
+    state = jax.tree.map(lambda x: explicit.replicate(jnp.asarray(x)), state)
     lam = cfg.lam(state.count)
     stats_finite = None
     if curvature_stats is not None:
