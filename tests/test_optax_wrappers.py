@@ -139,10 +139,13 @@ def test_concatenate_stats_joins_examples_and_rejects_other_models(conv_setup):
     thor_optax.concatenate_stats([first, rest])  # before: nested layers '0/layers/...'
 
 
-def test_partition_thor_on_conv_adam_elsewhere(conv_setup):
+@pytest.mark.parametrize("prefix", [False, True], ids=["labels per leaf", "labels per module"])
+def test_partition_thor_on_conv_adam_elsewhere(conv_setup, prefix):
   _, params, grads, stats, _ = conv_setup
   labels = jax.tree_util.tree_map_with_path(
       lambda path, _: "thor" if "Conv" in jax.tree_util.keystr(path) else "adam", params)
+  if prefix:  # optax takes labels that are a prefix of the tree
+    labels = {name: "thor" if "Conv" in name else "adam" for name in params}
   # No KL clip: it scales the update by an inner product over the leaves it is given, which
   # differ between the partition and the whole model; the preconditioner itself is per layer.
   thor = thor_optax.thor(0.1, 0.05, block_size=8, max_kl=None)
@@ -165,10 +168,16 @@ def test_partition_thor_on_conv_adam_elsewhere(conv_setup):
   assert set(_kronecker(state.inner_states["thor"])) == {"Conv_0"}
 
 
-def test_masked_preconditions_only_the_mask(conv_setup):
+@pytest.mark.parametrize("prefix", [False, True], ids=["mask per leaf", "mask per module"])
+def test_masked_preconditions_only_the_mask(conv_setup, prefix):
+  """``optax.masked`` with a mask of the whole tree, or of a prefix of it (one boolean per
+  module, which optax accepts; before, the check step then took Dense_0's statistics for a
+  layer of another model)."""
   _, params, grads, stats, _ = conv_setup
   mask = {name: jax.tree_util.tree_map(lambda _: name != "Dense_0", sub)
           for name, sub in params.items()}
+  if prefix:
+    mask = {name: name != "Dense_0" for name in params}
   pre = thor_optax.scale_by_thor(0.05, block_size=8)
   tx = optax.masked(pre, mask)
   updates, state = jax.jit(lambda g: tx.update(g, tx.init(params), params,

@@ -173,7 +173,8 @@ class StackInputs(NamedTuple):
 
 
 def check_step(state: Any, layout: blocks.BlockLayout, curvature_stats: Any, lam: jax.Array,
-               cfg: Any, masked: frozenset[str] = frozenset()) -> tuple[Any, jax.Array]:
+               cfg: Any, masked: stats_lib.MaskedModules = stats_lib.MaskedModules()
+               ) -> tuple[Any, jax.Array]:
   """One check step on a ``KroneckerState``: refresh the blocks due, side curvature and
   diagnostics (``lam``: ``lambda`` at this step; ``masked``: modules ``optax.masked`` hid).
 
@@ -672,7 +673,7 @@ def layer_diagnostics(specs: list, old: Diagnostics, stacks: dict, refreshed: di
 
 
 def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
-                        masked: frozenset[str]) -> dict[str, Any]:
+                        masked: stats_lib.MaskedModules) -> dict[str, Any]:
   """The statistics of a check step by layer name, validated against the gradient tree.
 
   Statistics of modules that ``optax.masked`` / ``optax.partition`` hid from this transform
@@ -724,7 +725,7 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
   silent = {name: why for name, why in reasons.items()
             if name not in by_name and name not in masked}
   missing = {name: reasons.get(name, "no statistics were passed for it")
-             for name in sorted(by_name - set(flat) - masked)}
+             for name in sorted(by_name - set(flat)) if name not in masked}
   if missing or silent:
     notes = "; ".join(f"{name}: {why}" for name, why in {**missing, **silent}.items())
     kept, passed = sorted(missing), sorted(silent)

@@ -131,8 +131,8 @@ def inner_product(spec: layer_base.LayerSpec, stats: Any, u: jax.Array, num_loss
 
 
 def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.BlockLayout,
-                     cfg: Any, masked: frozenset[str], updates: Any) -> tuple[blocks.BlockLayout,
-                                                                             dict[str, Any]]:
+                     cfg: Any, masked: stats_lib.MaskedModules,
+                     updates: Any) -> tuple[blocks.BlockLayout, dict[str, Any]]:
   """The layers a plain step preconditions in sample space, with their statistics.
 
   Args:

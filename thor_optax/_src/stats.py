@@ -282,3 +282,25 @@ def layer_name(keys: tuple[Any, ...]) -> str:
   ``'(root)'``.
   """
   return "/".join(str(k) for k in keys) or ROOT_NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedModules:
+  """The modules ``optax.masked`` / ``optax.partition`` hid from a transform, from the key
+  paths of the ``optax.MaskedNode`` leaves of its updates; ``name in masked`` for a layer name.
+
+  optax accepts a mask that is a prefix of the parameter tree, so a ``MaskedNode`` stands for
+  one parameter (a full-tree mask: ``('Dense_1', 'kernel')`` hides ``'Dense_1'``), or for a
+  module or a subtree of modules (a prefix mask: ``('Block_0',)`` hides ``'Block_0/Dense_0'``
+  and every other layer below it; ``()``, the whole tree, hides every layer).
+  """
+
+  paths: frozenset = frozenset()
+
+  def __contains__(self, name: str) -> bool:
+    for keys in self.paths:
+      subtree = "/".join(str(k) for k in keys)
+      if (not keys or name == subtree or name.startswith(subtree + "/")
+          or name == layer_name(keys[:-1])):
+        return True
+    return False

@@ -381,12 +381,12 @@ def _placeholder_state() -> KroneckerState:
   return KroneckerState(*(jnp.zeros((), jnp.int32) for _ in KroneckerState._fields))
 
 
-def _masked_modules(updates: Any) -> frozenset[str]:
-  """Module paths (``'Block_0/Dense_1'``) with a leaf that ``optax.masked`` replaced."""
+def _masked_modules(updates: Any) -> stats_lib.MaskedModules:
+  """The modules with a leaf or a subtree that ``optax.masked`` replaced."""
   flat, _ = jax.tree_util.tree_flatten_with_path(
       updates, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-  return frozenset(stats_lib.layer_name(stats_lib.path_keys(path)[:-1]) for path, leaf in flat
-                   if isinstance(leaf, optax.MaskedNode))
+  return stats_lib.MaskedModules(frozenset(stats_lib.path_keys(path) for path, leaf in flat
+                                           if isinstance(leaf, optax.MaskedNode)))
 
 
 def _nan_unless(ok: jax.Array, updates: Any) -> Any:
