@@ -101,6 +101,8 @@ def test_scanned_stack_equals_unrolled_layers(name):
   x, y = jnp.asarray(randn(1, (8, 6))), jnp.arange(8) % 3
   params = init_params(Scanned(), x)
   assert params["layers"]["Dense_0"]["kernel"].shape == (L, 6, 6)
+  if name == "spngd":  # kernels above SP-NGD's cap sqrt(2 d_out): every layer is rescaled
+    params["layers"]["Dense_0"]["kernel"] = 4.0 * params["layers"]["Dense_0"]["kernel"]
   tx = OPTIMIZERS[name]()
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # every layer preconditioned: no warning
@@ -115,6 +117,11 @@ def test_scanned_stack_equals_unrolled_layers(name):
   moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
               zip(jax.tree.leaves(scanned), jax.tree.leaves(params)))
   assert moved > 1e-3  # the comparison is not between two untouched trees
+  if name == "spngd":  # started at 1.4 to 1.7 times the cap, each layer ends within it
+    norms = np.linalg.norm(params["layers"]["Dense_0"]["kernel"], axis=(1, 2))
+    assert np.all(norms > 1.4 * np.sqrt(12))
+    norms = np.linalg.norm(scanned["layers"]["Dense_0"]["kernel"], axis=(1, 2))
+    assert np.all(norms <= np.sqrt(12) * (1 + 1e-12))
 
 
 def test_stack_is_claimed_per_layer_from_shapes():

@@ -109,3 +109,22 @@ def test_non_finite_kernel_is_left_alone_and_dtype_kept():
   new = optax.apply_updates(params, new_updates)
   np.testing.assert_allclose(_norm(new["d"]["kernel"]), 2.0, rtol=1e-2)  # bf16 rounding
   np.testing.assert_array_equal(new_updates["e"]["kernel"], updates["e"]["kernel"])
+
+
+def test_a_stack_of_layers_is_capped_layer_by_layer():
+  """An ``nn.scan`` stack's kernel ``(L, d_in, d_out)``: each layer at ``sqrt(2 d_out)`` on its
+  own, as unrolled (before, the stack was not claimed and no layer was capped)."""
+  rng = np.random.default_rng(1)
+  kernel = rng.standard_normal((3, 4, 6)) * np.asarray([3.0, 0.1, 2.0])[:, None, None]
+  params = {"layers": {"Dense_0": {"kernel": jnp.asarray(kernel, jnp.float32),
+                                   "bias": jnp.zeros((3, 6))}}}
+  updates = jax.tree_util.tree_map(jnp.zeros_like, params)
+  new_updates, _ = thor_optax.rescale_weight_norms().update(updates, None, params)
+  new = np.asarray(params["layers"]["Dense_0"]["kernel"]
+                   + new_updates["layers"]["Dense_0"]["kernel"])
+  cap = np.sqrt(2 * 6)
+  assert _norm(kernel[0]) > 1.5 * cap and _norm(kernel[2]) > 1.5 * cap > 5 * _norm(kernel[1])
+  for i in (0, 2):
+    np.testing.assert_allclose(_norm(new[i]), cap, rtol=1e-6)
+    np.testing.assert_allclose(new[i], kernel[i] * cap / _norm(kernel[i]), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(new_updates["layers"]["Dense_0"]["kernel"][1], 0.0)

@@ -546,7 +546,7 @@ def spngd(
   tail = [*_momentum_sgd(learning_rate, momentum, nesterov, debias_momentum),
           *_step_clip(max_update_ratio, layers)]
   if rescale_weights:
-    tail.append(weight_rescaling.rescale_weight_norms())
+    tail.append(weight_rescaling.rescale_weight_norms(layers=layers))
   return _guarded(skip_not_finite, optax.chain(
       _preconditioner(transform.scale_by_kfac(
           damping, ema_decay=ema_decay, block_size=block_size, pi_damping=True, max_pi=max_pi,

@@ -26,7 +26,6 @@ import numpy as np
 import optax
 
 from thor_optax._src import blocks
-from thor_optax._src import layers as layers_lib
 from thor_optax._src import static_args
 from thor_optax._src import stats as stats_lib
 
@@ -37,19 +36,21 @@ def he_norm(shape: tuple[int, ...]) -> float:
   return math.sqrt(2.0 * shape[-1])
 
 
-def rescaled_weights(params: Any) -> frozenset[tuple[str, ...]]:
-  """Key paths of the weights whose norm is capped: the weight leaf of every module claimed
-  by a registered layer kind with ``he_rescaled`` (dense and convolution kernels)."""
-  out = set()
-  for path, leaves in blocks.module_leaves(params).items():
-    found = layers_lib.claim(path, {k: tuple(jnp.shape(v)) for k, v in leaves.items()})
-    if found is not None and found[0].he_rescaled:
-      out.add(path + (found[0].weight,))
-  return frozenset(out)
+def rescaled_weights(params: Any, layers: Optional[Any] = None) -> dict[tuple[str, ...], int]:
+  """``{key path: number of leading stack axes}`` of the weights whose norm is capped: the
+  weight leaf of every layer the preconditioners lay out (``blocks.build_layout``; with
+  ``layers``, the captured ones) whose kind is ``he_rescaled`` (dense and convolution kernels).
+  An ``nn.scan`` / ``nn.vmap`` stack of ``L`` layers, kernel ``(L, d_in, d_out)``, has one
+  stack axis: each of its layers is capped on its own, as the unrolled layers would be."""
+  layout = blocks.build_layout(params, None,
+                               captured=None if layers is None else layers.kinds)
+  return {spec.path + (spec.kind.weight,): len(spec.stack) - (spec.groups > 1)
+          for spec in layout.layers if spec.kind.he_rescaled}
 
 
 def rescale_weight_norms(
     max_norm: Optional[Callable[[tuple[int, ...]], float]] = None,
+    layers: Optional[Any] = None,
 ) -> optax.GradientTransformation:
   """Caps the Frobenius norm of every kernel after the step (SP-NGD's weight rescaling).
 
@@ -60,7 +61,9 @@ def rescale_weight_norms(
   that the new parameter ``param + update`` has norm ``c`` (up to rounding); otherwise the update is
   unchanged. Other leaves (biases, normalization scales and offsets, embeddings, rank-1 ``kernel``
   leaves) are unchanged, as are kernels whose ``w`` is not finite. Norms are computed in at least
-  float32; the update keeps its dtype.
+  float32; the update keeps its dtype. A stack of layers (``nn.scan``, ``nn.vmap``: a kernel
+  ``(L, d_in, d_out)``, laid out as the preconditioners lay it out) is capped layer by layer, each
+  at ``max_norm`` of one layer's shape, as the unrolled layers would be.
 
   Put it last in the chain, after the learning rate and momentum (its updates are the final
   parameter increments), e.g. ``optax.chain(scale_by_kfac(...), optax.sgd(lr, 0.9),
@@ -69,6 +72,8 @@ def rescale_weight_norms(
   Args:
     max_norm: ``shape -> cap`` (a positive float; the shape is the kernel's, a tuple of ints),
       or ``None`` for ``sqrt(2 d_out)`` with ``d_out = shape[-1]``.
+    layers: ``thor_optax.captured_layers(stats)`` as given to the preconditioner, or ``None``
+      (layers claimed from parameter shapes).
 
   Returns:
     a stateless ``optax.GradientTransformation`` (state ``optax.EmptyState``).
@@ -76,8 +81,9 @@ def rescale_weight_norms(
   Raises:
     TypeError: at construction, if ``max_norm`` is neither ``None`` nor callable (a number:
       pass ``lambda shape: c``); in ``update``, if it returns no number.
-    ValueError: in ``update``, if ``params`` is ``None``, or if ``max_norm`` returns a number
-      (Python, numpy, 0-d array) that is not positive.
+    ValueError: at construction, if ``layers`` is neither ``None`` nor
+      :class:`thor_optax.CapturedLayers`; in ``update``, if ``params`` is ``None``, or if
+      ``max_norm`` returns a number (Python, numpy, 0-d array) that is not positive.
 
   References:
     Osawa et al., "Scalable and Practical Natural Gradient", TPAMI 2020; chainerkfac
@@ -88,6 +94,11 @@ def rescale_weight_norms(
         f"thor_optax.rescale_weight_norms: max_norm must be None or a function shape -> cap, "
         f"got {type(max_norm).__name__} {max_norm!r}; for one cap c of every kernel pass "
         f"lambda shape: c.")
+  if layers is not None and not isinstance(layers, stats_lib.CapturedLayers):
+    raise ValueError(
+        f"thor_optax.rescale_weight_norms: layers must be None or "
+        f"thor_optax.captured_layers(stats), got {type(layers).__name__}; build it from the "
+        f"statistics of one capture.")
   cap_of = he_norm if max_norm is None else max_norm
 
   def init_fn(params):
@@ -97,7 +108,8 @@ def rescale_weight_norms(
   def rescale(weights, path, update, param):
     if update is None or stats_lib.path_keys(path) not in weights:
       return update
-    shape = tuple(int(s) for s in jnp.shape(param))
+    lead = weights[stats_lib.path_keys(path)]
+    shape = tuple(int(s) for s in jnp.shape(param)[lead:])
     cap = cap_of(shape)
     number = static_args.real_value(cap)
     if number is None and not isinstance(cap, (jax.Array, np.ndarray)):
@@ -112,7 +124,7 @@ def rescale_weight_norms(
     param = jnp.asarray(param)
     dtype = jnp.promote_types(jnp.promote_types(param.dtype, update.dtype), jnp.float32)
     p, w = param.astype(dtype), param.astype(dtype) + update.astype(dtype)
-    norm = jnp.sqrt(jnp.sum(w * w))
+    norm = jnp.sqrt(jnp.sum(w * w, axis=tuple(range(lead, w.ndim)), keepdims=True))
     cap = jnp.asarray(cap, dtype)
     shrink = jnp.isfinite(norm) & (norm > cap)
     rescaled = (cap / jnp.where(shrink, norm, 1.0)) * w - p
@@ -123,7 +135,7 @@ def rescale_weight_norms(
       raise ValueError(
           "rescale_weight_norms needs the current parameters: pass params to update, e.g. "
           "tx.update(grads, state, params).")
-    weights = rescaled_weights(params)
+    weights = rescaled_weights(params, layers)
     new_updates = jax.tree_util.tree_map_with_path(
         functools.partial(rescale, weights), updates, params, is_leaf=lambda x: x is None)
     return new_updates, state
