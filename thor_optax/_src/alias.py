@@ -8,9 +8,10 @@ preconditioner is optax's own. The whole chain sits inside :func:`finite.skip_no
 step whose gradient or update is not finite (a NaN in the data, a NaN learning rate or damping
 from a schedule) returns zero updates and leaves momentum and curvature state as they were.
 
-Robust defaults (benchmarks/README.md, "Robustness"): every alias KL-clips its preconditioned update
-(``max_kl=1e-2``; ``kaisa``: KAISA's 1e-3; Ba et al. 2017, section 5) and floors each factor
-block's damping at ``min_relative_damping=0.1`` times its mean eigenvalue (``damping.py``). On
+Robust defaults (benchmarks/README.md, "Robustness"): every alias KL-clips its preconditioned
+update (``max_kl=1e-2``; ``thor`` 3e-2; ``kaisa``: KAISA's 1e-3; Ba et al. 2017, section 5) and
+floors each factor block's damping at ``min_relative_damping`` times its mean eigenvalue (0.1;
+``thor``, whose pi rule gives ``G`` less damping, 1; ``damping.py``). On
 a learning-rate x damping grid of the MNIST MLP these took THOR and SKFAC from 15 and 16
 non-finite runs of 20 to none, and left no alias with a non-finite or diverged run. The
 building blocks ``scale_by_thor`` / ``scale_by_kfac`` keep the papers' damping (no floor) and

@@ -19,8 +19,9 @@ Measured (benchmarks/README.md, "Which of THOR's approximations costs steps"): w
 THOR needs fewer steps on the MNIST MLP (92% test accuracy in 65 steps instead of 95, 6 seeds). With
 the floor below at 0.1, one setting of a learning-rate x damping grid diverged at ``lambda =
 1e-4``; with the floor at 1 both grids train in every setting, so the ``thor`` alias uses
-``pi_damping=True, max_pi=5, min_relative_damping=1``. ``spngd`` takes the rule unclipped,
-as SP-NGD does; ``kfac`` and ``skfac`` split equally; ``kaisa`` (eigh) damps exactly.
+``pi_damping=True, max_pi=5, min_relative_damping=1``. ``spngd`` takes the rule clipped at
+``max_pi=5`` too (SP-NGD's unclipped rule with ``max_pi=None``); ``kfac`` and ``skfac`` split
+equally; ``kaisa`` (eigh) damps exactly.
 
 The floor (``min_relative_damping``, ``rho``): a block ``B`` of dimension ``d`` formed from
 ``R`` rows gets at least ``rho tr(B) / min(R, d)``, ``rho`` times the mean of the eigenvalues
