@@ -153,6 +153,36 @@ def test_weight_sharing_is_exact_for_deep_linear_networks(weight_sharing, pooled
     np.testing.assert_allclose(updates[name]["kernel"], want, rtol=0, atol=1e-12)
 
 
+class Windowed(nn.Module):
+  """``DeepLinear(pooled=True)`` with the positions split into ``W`` windows folded into the
+  batch axis before the layers, as a Swin block does: ``(N W, T / W, d)``."""
+
+  @nn.compact
+  def __call__(self, x):
+    n, t, d = x.shape
+    windows = x.reshape(n * 2, t // 2, d)
+    z = nn.Dense(K, use_bias=False, name="w2")(nn.Dense(7, use_bias=False, name="w1")(windows))
+    return z.reshape(n, t, K).mean(axis=1)
+
+
+@pytest.mark.parametrize("weight_sharing", ["auto", "reduce", "expand"])
+def test_windows_folded_into_the_batch_are_positions_of_their_example(weight_sharing):
+  """The same function as ``DeepLinear(pooled=True)``, so the same update: reduce pools each
+  example's positions over all its windows (before, each window's: A divided by ``N W`` and
+  the windows' cotangents not summed, an update 0.6 off relatively)."""
+  x = jnp.asarray(randn(8, (N, 6, D)))
+  y = jnp.asarray(randn(9, (N, K)))
+  params = reference.init_params(DeepLinear(True), x)
+  tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None)
+  kwargs = dict(fisher_type="exact", likelihood="squared_error", weight_sharing=weight_sharing)
+  want, _ = _update(DeepLinear(True), squared_error, params, x, y, tx, **kwargs)
+  got, stats = _update(Windowed(), squared_error, params, x, y, tx, **kwargs)
+  assert stats.layers["w1"].inputs.shape == ((N, D) if weight_sharing != "expand"
+                                             else (2 * N, 3, D))
+  for name in ("w1", "w2"):
+    np.testing.assert_allclose(got[name]["kernel"], want[name]["kernel"], rtol=0, atol=1e-13)
+
+
 def test_summed_loss_has_the_mean_losss_factors_and_m_times_its_step():
   """``loss_reduction='sum'``: the same factors as the mean of the same terms (the capture keeps
   per-term cotangents), and a gradient ``M`` times larger, so the step is ``M`` times the mean

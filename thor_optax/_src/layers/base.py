@@ -596,6 +596,7 @@ def fold_positions(inputs: jax.Array, cotangents: jax.Array, num_terms: int, fea
   (:func:`terms_divisor`; ``None`` after a reduce, whose factors are scaled already)."""
   mode = resolve_weight_sharing(weight_sharing, num_terms, inputs.shape[0])
   if mode == "reduce" and inputs.ndim - feature_axes > 1:
+    inputs, cotangents = group_examples(inputs, cotangents, num_terms, feature_axes)
     return reduce_positions(inputs, cotangents, num_terms, feature_axes) + (None,)
   inputs, cotangents = regroup_examples(inputs, cotangents, num_terms, feature_axes)
   return inputs, cotangents, terms_divisor(inputs.shape[0], num_terms)
@@ -633,6 +634,25 @@ def reduce_positions(inputs: jax.Array, cotangents: jax.Array, num_terms: int,
   g_positions = tuple(range(2, cotangents.ndim - 1))
   scale = jnp.sqrt(jnp.asarray(n / num_terms, cotangents.dtype))
   return inputs.mean(positions), cotangents.sum(g_positions) * scale
+
+
+def group_examples(inputs: jax.Array, cotangents: jax.Array, num_terms: int,
+                   feature_axes: int) -> tuple[jax.Array, jax.Array]:
+  """Before K-FAC-reduce: a leading axis of ``k M`` rows grouped into the ``M`` loss terms.
+
+  Windows or patches folded into the batch axis (a Swin block's ``(N nW, T / nW, d)``
+  windows under a per-example loss) are positions of their example: ``inputs``
+  ``(k M, P..., F...)`` and cotangents ``(S, k M, P..., d)`` become ``(M, k P..., F...)`` and
+  ``(S, M, k P..., d)``, the examples taken as the major part of the axis (as
+  :func:`regroup_examples` takes them), so that reduce pools each example's positions, not each
+  window's. Left as they are unless the leading axis is a multiple of ``M`` larger than it.
+  """
+  n = inputs.shape[0]
+  if n <= num_terms or n % num_terms:
+    return inputs, cotangents
+  features = inputs.shape[inputs.ndim - feature_axes:]
+  return (inputs.reshape((num_terms, -1) + features),
+          cotangents.reshape((cotangents.shape[0], num_terms, -1, cotangents.shape[-1])))
 
 
 def regroup_examples(inputs: jax.Array, cotangents: jax.Array, num_terms: int,
