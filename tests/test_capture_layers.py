@@ -13,6 +13,8 @@
 * normalization over other than the last axis is reported as unhandled.
 """
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -424,6 +426,67 @@ def test_layers_whose_weights_are_mapped_are_listed(wrapper):
   updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats,
                          gradient_stats=stats)
   assert all(bool(jnp.isfinite(u).all()) for u in jax.tree.leaves(updates))
+
+
+class Branches(nn.Module):
+  """A ``Dense`` used in ``nn.cond`` / ``nn.switch`` branches: created inside the branch under
+  the module the branch receives (lifted, as Flax's docs write it), or closing over the outer
+  module's layer."""
+  control: str
+  closure: bool
+
+  @nn.compact
+  def __call__(self, x, flag):
+    outer = nn.Dense(6, param_dtype=F64, name="dense")
+    if self.closure:
+      if self.is_initializing():
+        outer(x)
+      branches = [lambda m, x: outer(x), lambda m, x: -outer(x)]
+    else:
+      branches = [lambda m, x: nn.Dense(6, param_dtype=F64, name="dense")(x),
+                  lambda m, x: -nn.Dense(6, param_dtype=F64, name="dense")(x)]
+    if self.control == "cond":
+      h = nn.cond(flag, *branches, self, x)
+    else:
+      h = nn.switch(1 - flag.astype(jnp.int32), branches, self, x)
+    return nn.Dense(3, param_dtype=F64, name="head")(jnp.tanh(h))
+
+
+class Negated(nn.Module):
+  @nn.compact
+  def __call__(self, x, flag):
+    h = -nn.Dense(6, param_dtype=F64, name="dense")(x)
+    return nn.Dense(3, param_dtype=F64, name="head")(jnp.tanh(h))
+
+
+@pytest.mark.parametrize("control", ["cond", "switch"])
+def test_layers_in_lifted_branches_are_captured_or_listed(control):
+  """Created inside the branch: captured from the branch taken (the update of the same model
+  without the branch). Closed over from the outer module: listed (before, the capture recorded
+  the branch's tracers and the optimizer raised UnexpectedTracerError)."""
+  x = jnp.asarray(randn(1, (5, 4)))
+  y = jnp.arange(5) % 3
+  flag = jnp.asarray(False)
+  params = init_params(Branches(control, False), x, flag)
+  tx = thor_optax.kfac(0.1, 0.03)
+  updates = {}
+  for name, model in (("lifted", Branches(control, False)), ("plain", Negated()),
+                      ("closure", Branches(control, True))):
+    (_, grads), stats = value_and_grad_with_stats(model, softmax_ce)(params, x, y, flag=flag)
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", "curvature_stats: no statistics for some layers")
+      updates[name] = jax.jit(lambda g, s: tx.update(g, tx.init(params), params,
+                                                     curvature_stats=s))(grads, stats)[0]
+    if name == "closure":
+      assert list(stats.layers) == ["head"]
+      assert any(note.startswith("dense: called inside a transform it is not lifted through")
+                 for note in stats.unhandled), stats.unhandled
+    else:
+      assert list(stats.layers) == ["dense", "head"] and not stats.unhandled
+  for a, b in zip(jax.tree.leaves(updates["lifted"]), jax.tree.leaves(updates["plain"])):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-14)
+  assert float(jnp.abs(updates["closure"]["dense"]["kernel"]
+                       - updates["plain"]["dense"]["kernel"]).max()) > 1e-3
 
 
 class WithPredictions(nn.Module):

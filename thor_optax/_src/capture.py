@@ -771,10 +771,17 @@ class _Context:
     self.root = None
     self.param_shapes = param_shapes
     self.stack: list[tuple[str, ...]] = []  # paths of the model's modules being called
+    self.trace = None  # the forward pass's JAX trace (set when it starts)
 
   def enter(self, mod: nn.Module) -> None:
     if self.root is None:
       self.root = mod.scope.root
+
+  def traced_apart(self) -> bool:
+    """Whether the call runs under another JAX trace than the forward pass (inside a
+    ``jax.lax.cond`` branch, a loop body, ...), while its module is the model's own, not a
+    lifted copy: values it records would escape that trace."""
+    return jax.extend.core.get_opaque_trace_state(convention="nnx") != self.trace
 
   def foreign(self, mod: nn.Module) -> bool:
     """Whether ``mod`` belongs to a variable tree applied with ``.apply()`` inside the model."""
@@ -833,6 +840,14 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     kind = layers_lib.kind_of_module(mod)
     if kind is None or method not in kind.methods:
       return out
+    if mod.scope.root is ctx.root and ctx.traced_apart():
+      transformed[tuple(mod.path)] = (
+          f"called inside a transform it is not lifted through (a branch of nn.cond / "
+          f"nn.switch or the body of nn.while_loop closing over the {type(mod).__name__} of "
+          "an outer module, a raw jax transform): its inputs and cotangents cannot leave it, "
+          "so its gradients pass through unpreconditioned; create the layer inside the branch "
+          "or body function (under the module it receives), which lifts it")
+      return out
     if any("map_variables(" in p for p in mod.scope.root.debug_path):
       transformed[tuple(mod.path)] = (
           f"its variables are mapped by nn.map_variables (nn.WeightNorm, nn.SpectralNorm wrap "
@@ -852,6 +867,7 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     return out
 
   def run(p, state, x):
+    ctx.trace = jax.extend.core.get_opaque_trace_state(convention="nnx")
     with nn.intercept_methods(record):
       return apply.instrumented({"params": p, **state}, x)[1]["params"]
 
