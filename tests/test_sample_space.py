@@ -178,6 +178,46 @@ def test_reduced_positions_and_sampled_fisher_fall_back_to_the_gradient():
   assert stats.exact_rows == ()
 
 
+class OnePosition(nn.Module):
+  """A loss per position over ``(N, 4, 6)``, with a ``Dense`` on the first position alone,
+  ``(N, 1, 6)``, broadcast back over the positions; and a ``Dense(dot_general=...)`` that
+  scales its kernel (an equalized learning rate)."""
+
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(dtype=F64, param_dtype=F64)
+    first = nn.Dense(6, name="first", **kw)(x[:, :1])
+    scaled = nn.Dense(6, name="scaled", dot_general=lambda a, w, *args, **kwargs:
+                      jax.lax.dot_general(a, 2.0 * w, *args, **kwargs), **kw)(x)
+    return nn.Dense(3, name="head", **kw)(jnp.tanh(first + scaled))
+
+
+def test_one_position_under_reduce_and_a_custom_dot_general():
+  """With ``weight_sharing='reduce'`` a layer with one position has nothing to pool: its rows
+  are the gradient's and its update from them is the gradient's (before: the reduce's scale
+  ``sqrt(N / M)`` on exact rows, an update half the gradient form's). A ``Dense`` given its own
+  ``dot_general`` applies ``2 W``, not its parameter: listed (before: exact rows, half)."""
+  model = OnePosition()
+  x = jnp.asarray(randn(3, (N, 4, 6)))
+  y = jnp.asarray(np.arange(4 * N).reshape(N, 4) % 3)
+  params = init_params(model, x)
+  capture = value_and_grad_with_stats(model, softmax_ce, weight_sharing="reduce")
+  _, stats = jax.eval_shape(capture, params, x, y)
+  assert stats.exact_rows == ("first",)  # the head pools its four positions
+  assert [n.split(":")[0] for n in stats.unhandled] == ["scaled"]
+  assert "Dense is given its own dot_general" in stats.unhandled[0]
+  tx = thor_optax.scale_by_thor(0.05, block_size=8, layers=thor_optax.captured_layers(stats))
+  with pytest.warns(UserWarning, match="scaled"):
+    state = _refreshed(tx, capture, params, x, y)
+    block, rows, grads = _both_forms(tx, state, capture, params, x[::-1], y[::-1])
+  _assert_same_update(block, rows, grads)
+  module = nnx.Linear(3, 2, dot_general=lambda a, w, *args, **kwargs: jax.lax.dot_general(
+      a, 2.0 * w, *args, **kwargs), rngs=nnx.Rngs(0))
+  (_, _), stats = nnx_value_and_grad_with_stats(lambda out, t: jnp.mean((out - t) ** 2))(
+      module, jnp.ones((4, 3)), jnp.zeros((4, 2)))
+  assert not stats.layers and "Linear is given its own dot_general" in stats.unhandled[0]
+
+
 class Scanned(nn.Module):
   """Three residual dense blocks under ``nn.scan`` over ``nn.remat``, then a head."""
 

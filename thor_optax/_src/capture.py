@@ -344,11 +344,16 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
     sharing = n_calls > 1 or any(c.method != "__call__" for c in seen)
     overridden = kind.overridden(first.module)
     if overridden:
+      methods = [n for n in overridden if not n.startswith("its ")]
+      fields = [n[len("its "):] for n in overridden if n.startswith("its ")]
+      what = " and ".join(
+          ([f"overrides {', '.join(methods)} of the {kind.name} layer it subclasses"]
+           if methods else [])
+          + ([f"is given its own {', '.join(fields)}"] if fields else []))
       plan = layer_base.Plan(None, (
-          f"{type(first.module).__name__} overrides {', '.join(overridden)} of the "
-          f"{kind.name} layer it subclasses, so the weight it applies may not be its parameter "
-          "(e.g. weight standardization); register a layer kind for it "
-          "(thor_optax.register_layer_kind)"))
+          f"{type(first.module).__name__} {what}, so the weight it applies may not be its "
+          "parameter (e.g. weight standardization, an equalized learning rate); register a "
+          "layer kind for it (thor_optax.register_layer_kind)"))
     elif first.shared_over:
       plan = step_sharing.plan(kind, plan, first.shared_over, first.stack, weight_sharing)
       sharing = False  # a loop body traced more than once is not several uses

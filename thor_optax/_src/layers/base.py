@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import inspect
 import math
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
@@ -304,15 +305,18 @@ class LayerKind(abc.ABC):
 
   def overridden(self, module: Any) -> tuple[str, ...]:
     """The methods (the intercepted ones and linen's ``param``) that ``module``'s class replaces
-    in the registered class it matches: the weight it applies may then not be its parameter
-    (a weight-standardized ``nn.Conv`` overriding ``param``), so capture lists it."""
+    in the registered class it matches, and ``'its <field>'`` for each of
+    :data:`OPERATION_FIELDS` it is given (:func:`replaced_operations`): the weight it applies
+    may then not be its parameter (a weight-standardized ``nn.Conv`` overriding ``param``, a
+    ``Dense`` scaling its kernel in its ``dot_general``), so capture lists it."""
     base_cls = next((c for c in self.linen_modules + self.nnx_modules
                      if isinstance(module, c)), None)
     if base_cls is None:
       return ()
     names = self.methods + ("param",)
-    return tuple(n for n in names if hasattr(base_cls, n)
-                 and getattr(type(module), n) is not getattr(base_cls, n))
+    methods = tuple(n for n in names if hasattr(base_cls, n)
+                    and getattr(type(module), n) is not getattr(base_cls, n))
+    return methods + tuple(f"its {n}" for n in replaced_operations(module, base_cls))
 
   def plan(self, module: Any, methods: tuple[str, ...],
            input_shape: tuple[int, ...]) -> Plan:
@@ -576,6 +580,26 @@ def bias_fits(shapes: Mapping[str, tuple[int, ...]], out_shape: tuple[int, ...])
   return "bias" not in shapes or tuple(shapes["bias"]) == tuple(out_shape)
 
 
+# The fields of Flax's layers through which a module is given its own product, promotion or
+# convolution (an equalized-learning-rate Dense scaling its kernel in a custom dot_general).
+OPERATION_FIELDS = ("dot_general", "dot_general_cls", "conv_general_dilated",
+                    "conv_general_dilated_cls", "promote_dtype")
+
+
+def replaced_operations(module: Any, base_cls: type) -> tuple[str, ...]:
+  """The :data:`OPERATION_FIELDS` of ``module`` (a linen dataclass or an NNX module) set to
+  other than ``base_cls``'s default: the weight it applies may then not be its parameter."""
+  if dataclasses.is_dataclass(base_cls):
+    defaults = {f.name: f.default for f in dataclasses.fields(base_cls)}
+  else:
+    defaults = {k: p.default for k, p in inspect.signature(base_cls.__init__).parameters.items()}
+  plain = {"dot_general": jax.lax.dot_general,
+           "conv_general_dilated": jax.lax.conv_general_dilated}
+  return tuple(n for n in OPERATION_FIELDS if n in defaults and hasattr(module, n)
+               and getattr(module, n) is not defaults[n]
+               and getattr(module, n) is not plain.get(n))
+
+
 WEIGHT_SHARING = ("auto", "expand", "reduce")
 
 
@@ -596,8 +620,10 @@ def fold_positions(inputs: jax.Array, cotangents: jax.Array, num_terms: int, fea
   (:func:`terms_divisor`; ``None`` after a reduce, whose factors are scaled already)."""
   mode = resolve_weight_sharing(weight_sharing, num_terms, inputs.shape[0])
   if mode == "reduce" and inputs.ndim - feature_axes > 1:
-    inputs, cotangents = group_examples(inputs, cotangents, num_terms, feature_axes)
-    return reduce_positions(inputs, cotangents, num_terms, feature_axes) + (None,)
+    grouped = group_examples(inputs, cotangents, num_terms, feature_axes)
+    # One position per example: nothing to pool, the rows are the gradient's (expand's).
+    if math.prod(grouped[0].shape[1:grouped[0].ndim - feature_axes]) > 1:
+      return reduce_positions(*grouped, num_terms, feature_axes) + (None,)
   inputs, cotangents = regroup_examples(inputs, cotangents, num_terms, feature_axes)
   return inputs, cotangents, terms_divisor(inputs.shape[0], num_terms)
 
