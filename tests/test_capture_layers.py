@@ -540,3 +540,49 @@ def test_output_cotangents_checks_its_arguments():
       fn(out, d, *args)
   with pytest.raises(ValueError, match="dloss must have the outputs' shape"):
     fn(out, d[0], 4, "empirical", None, 1, None)
+
+
+class SharedTables(nn.Module):
+  """Layers on inputs that no example changes: a T5-style relative-position bias (an ``Embed`` of
+  a ``(T, T)`` bucket table, broadcast over the batch after the layer, or before it), learned
+  Perceiver latents projected by a ``Dense``; and a ``Dense`` on noise drawn per example from
+  the call's rngs."""
+  broadcast_first: bool
+
+  @nn.compact
+  def __call__(self, x):
+    n, t = x.shape[0], x.shape[1]
+    buckets = jnp.clip(jnp.arange(t)[None] - jnp.arange(t)[:, None], -2, 2) + 2
+    table = nn.Embed(5, 2, param_dtype=F64, name="bias")
+    if self.broadcast_first:
+      bias = table(jnp.broadcast_to(buckets, (n, t, t)))
+    else:
+      bias = jnp.broadcast_to(table(buckets)[None], (n, t, t, 2))
+    latents = self.param("latents", nn.initializers.normal(), (6, 3), F64)
+    q = nn.Dense(3, param_dtype=F64, name="latent_proj")(latents)
+    h = jnp.einsum("ld,ntd->nl", q, x)
+    noise = jax.random.normal(self.make_rng("noise"), (n, 4), F64)
+    h = h + nn.Dense(6, param_dtype=F64, name="noise_proj")(noise)
+    return nn.Dense(3, param_dtype=F64, name="head")(
+        jnp.concatenate([h, bias.reshape(n, -1)], axis=-1))
+
+
+@pytest.mark.parametrize("broadcast_first", [False, True])
+def test_layers_on_inputs_shared_by_every_example_are_listed(broadcast_first):
+  """Before, the capture took the table's first axis for the examples: ``A`` of the bias table
+  ``N`` times too small and ``G`` from cotangents summed over the batch (an update 2.4 off
+  relatively), silently. A table broadcast before the layer has a row block per example: taken,
+  as the README's convention says (``A`` counts every example's lookups)."""
+  x = jnp.asarray(randn(2, (4, 5, 3)))
+  y = jnp.arange(4) % 3
+  model = SharedTables(broadcast_first)
+  params = init_params(model, x)
+  rngs = {"noise": jax.random.PRNGKey(1)}
+  (_, _), stats = value_and_grad_with_stats(model, softmax_ce)(params, x, y, rngs=rngs)
+  listed = dict(note.split(": ", 1) for note in stats.unhandled)
+  assert listed["latent_proj"].startswith("applied to an input of shape (6, 3) that depends "
+                                          "on no example")
+  assert ("bias" in listed) != broadcast_first
+  assert {"noise_proj", "head"} <= set(stats.layers)
+  if broadcast_first:
+    assert stats.layers["bias"].inputs.shape == (4, 5, 5)

@@ -353,8 +353,11 @@ def test_shared_and_unsupported_layers_are_unhandled_and_pass_through():
       "thor_optax.register_layer_kind can take it)",
       "shared: called 2 times per forward pass (shared layer): weight sharing of a 'norm' "
       "layer is not preconditioned",
-      "unused: not called in the forward pass, or called inside a raw jax transform "
-      "(jax.lax.scan, jax.checkpoint) instead of its nnx counterpart",
+      "unused: not called in the forward pass, or called where its variables cannot be "
+      "written: inside a raw jax transform (jax.lax.scan, jax.checkpoint) instead of its nnx "
+      "counterpart, or closed over by the function of an nnx transform (nnx.scan, nnx.vmap, "
+      "nnx.remat; pass the layer as an argument, with in_axes=None for one applied at every "
+      "step, to have it captured)",
   )
   assert set(stats.layers) == {"first", "head"}
   ref_loss, reference = nnx.value_and_grad(lambda m: _loss(m(x), y))(model)
@@ -595,6 +598,40 @@ def test_layers_the_capture_cannot_take_are_listed_with_exact_gradients(mode):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # the listed layers' note
     optimizer.update(model, grads, curvature_stats=stats)
+
+
+class _SharedTables(nnx.Module):
+  """Layers on inputs no example changes (learned latents, a ``(T, T)`` bucket table broadcast
+  after the layer) and a linear on noise the model draws per example from its own rngs."""
+
+  def __init__(self, rngs):
+    self.latents = nnx.Param(jax.random.normal(rngs.params(), (6, 3)))
+    self.latent_proj = nnx.Linear(3, 3, rngs=rngs)
+    self.bias = nnx.Embed(5, 2, rngs=rngs)
+    self.noise_proj = nnx.Linear(4, 6, rngs=rngs)
+    self.head = nnx.Linear(6 + 2 * 25, 3, rngs=rngs)
+    self.rngs = rngs
+
+  def __call__(self, x):
+    n = x.shape[0]
+    h = jnp.einsum("ld,ntd->nl", self.latent_proj(self.latents[...]), x)
+    buckets = jnp.clip(jnp.arange(5)[None] - jnp.arange(5)[:, None], -2, 2) + 2
+    bias = jnp.broadcast_to(self.bias(buckets)[None], (n, 5, 5, 2)).reshape(n, -1)
+    h = h + self.noise_proj(jax.random.normal(self.rngs.noise(), (n, 4)))
+    return self.head(jnp.concatenate([h, bias], axis=-1))
+
+
+def test_layers_on_inputs_shared_by_every_example_are_listed():
+  """As linen's (tests/test_capture_layers.py): before, the latents' projection and the bias
+  table were taken with their first axis for the examples, silently."""
+  model = _SharedTables(nnx.Rngs(0, noise=1))
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 5, 3))
+  (_, _), stats = thor_nnx.value_and_grad_with_stats(_loss)(model, x, jnp.arange(4) % 3)
+  listed = dict(note.split(": ", 1) for note in stats.unhandled)
+  for name, shape in (("latent_proj", (6, 3)), ("bias", (5, 5))):
+    assert listed[name].startswith(f"applied to an input of shape {shape} that depends on no "
+                                   "example"), listed
+  assert sorted(stats.layers) == ["head", "noise_proj"]
 
 
 def test_call_time_rngs_and_call_errors():

@@ -869,17 +869,63 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
       seen = (mod.scope.get_variable("params", _CALLS)
               if mod.scope.has_variable("params", _CALLS) else jnp.zeros((0,)))
       mod.scope.put_variable("params", _CALLS, jnp.zeros((seen.shape[-1] + 1,)))
+      mod.scope.put_variable("params", _INPUTS, primary_input(args, kwargs))
     return out
 
-  def run(p, state, x):
-    ctx.trace = jax.extend.core.get_opaque_trace_state(convention="nnx")
-    with nn.intercept_methods(record):
-      return apply.instrumented({"params": p, **state}, x)[1]["params"]
+  # The call's array keywords (rngs: an input drawn from them is per example) are traced too.
+  kw_leaves, kw_def = jax.tree.flatten(apply.kwargs)
+  traced = [i for i, v in enumerate(kw_leaves) if isinstance(v, (jax.Array, np.ndarray))]
 
-  mutated = jax.eval_shape(run, params, model_state, inputs)
+  def run(p, state, x, kw):
+    ctx.trace = jax.extend.core.get_opaque_trace_state(convention="nnx")
+    leaves = list(kw_leaves)
+    for i, v in zip(traced, kw):
+      leaves[i] = v
+    with nn.intercept_methods(record):
+      return dataclasses.replace(apply, kwargs=kw_def.unflatten(leaves)).instrumented(
+          {"params": p, **state}, x)[1]["params"]
+
+  closed, mutated = jax.make_jaxpr(run, return_shape=True)(
+      params, model_state, inputs, [kw_leaves[i] for i in traced])
   counts = {path: _get(mutated, path)[_CALLS].shape[-1] for path in calls
             if _CALLS in (_get(mutated, path) or {})}
+  probes = {path: _get(mutated, path)[_INPUTS] for path in calls
+            if _INPUTS in (_get(mutated, path) or {})}
+  given = len(jax.tree.leaves((params, model_state)))
+  batch = next((x.shape[0] for x in jax.tree.leaves(inputs) if jnp.ndim(x)), None)
+  for path, why in not_per_example(closed.jaxpr, mutated, probes, given, batch).items():
+    transformed.setdefault(path, why)
   return calls, counts, foreign, transformed, frozenset(keys)
+
+
+def not_per_example(jaxpr: Any, outputs: Any, probes: Mapping[tuple[str, ...], Any],
+                    given: int, batch: Optional[int]) -> dict[tuple[str, ...], str]:
+  """``{module path: reason}`` of the layers whose input of rank >= 2 depends on none of the
+  pass's inputs after its first ``given`` (the parameters and model state): not on the
+  examples, nor on the call's keywords (rngs), and whose leading axis is not the ``batch`` of
+  the model's input. Such an input (a relative-position bucket table ``(T, T)``, learned
+  Perceiver latents ``(L, d)``) is the same for every example and broadcast after the layer, so
+  its rows are not examples and its output cotangents arrive summed over the batch: K-FAC's
+  factors cannot be formed from them (the capture would take the table's first axis for the
+  examples). One broadcast to ``(N, ...)`` before the layer has a row block per example, whose
+  cotangents are that example's: taken. (A table whose leading axis happens to equal ``N`` is
+  taken for one too.) Found by dead-code elimination of the discovery pass's ``jaxpr``, whose
+  outputs are ``outputs`` flattened and hold each layer's recorded input ``probes[path]``.
+  """
+  index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(outputs))}
+  found = {}
+  for path, probe in probes.items():
+    i = index.get(id(probe))
+    if i is None or len(probe.shape) < 2 or probe.shape[0] == batch:
+      continue
+    used = _used_inputs(jaxpr, [j == i for j in range(len(jaxpr.outvars))])
+    if used is not None and not any(used[given:]):
+      found[path] = (
+          f"applied to an input of shape {tuple(probe.shape)} that depends on no example (a "
+          "relative-position bucket table, learned latents broadcast over the batch after the "
+          "layer): its rows are not examples and its output cotangents arrive summed over the "
+          "batch, so its gradients pass through unpreconditioned")
+  return found
 
 
 def _module_leaves(params: Any) -> dict[tuple[str, ...], dict]:
@@ -955,7 +1001,7 @@ def used_outside_their_calls(trace: Callable[[Any], Any], params: Any,
   if not modules:
     return {}
   closed = traced_outputs(lambda: jax.make_jaxpr(trace)(params))
-  used = _used_inputs(closed.jaxpr)
+  used = _used_inputs(closed.jaxpr) or [False] * len(closed.jaxpr.invars)
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   found = {}
   for (path, _), is_used in zip(flat, used):
@@ -968,16 +1014,17 @@ def used_outside_their_calls(trace: Callable[[Any], Any], params: Any,
   return found
 
 
-def _used_inputs(jaxpr: Any) -> list[bool]:
-  """Which inputs of a jaxpr its outputs depend on, through sub-jaxprs too (JAX's dead-code
-  elimination, a private function: where a JAX release lacks it, none is reported, as before
-  this check existed; the coarse :func:`_inputs_feeding_outputs` would take every scanned
-  layer for a shared one)."""
+def _used_inputs(jaxpr: Any, outputs: Optional[Sequence[bool]] = None) -> Optional[list[bool]]:
+  """Which inputs of a jaxpr its outputs (all, or those marked in ``outputs``) depend on,
+  through sub-jaxprs too (JAX's dead-code elimination, a private function: where a JAX release
+  lacks it, ``None``, and the callers report nothing, as before their checks existed; the
+  coarse :func:`_inputs_feeding_outputs` would take every scanned layer for a shared one)."""
   try:
     from jax._src.interpreters import partial_eval  # pylint: disable=import-outside-toplevel
-    return list(partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[1])
+    used = [True] * len(jaxpr.outvars) if outputs is None else list(outputs)
+    return list(partial_eval.dce_jaxpr(jaxpr, used)[1])
   except (ImportError, AttributeError, TypeError):  # a JAX without it: no finding
-    return [False] * len(jaxpr.invars)
+    return None
 
 
 def zeroed_output(module: Any, method: str, out: Any) -> Any:

@@ -183,12 +183,18 @@ class _CallKwargs:
     self.nodes = {k: v for k, v in kwargs.items() if nnx_graph.is_graph_node(v)}
     self.split = nnx.split(self.nodes) if self.nodes else None
 
-  def fresh(self) -> tuple[dict, Optional[dict]]:
-    """``(keyword arguments, the NNX copies among them or None)`` for one traced call."""
+  def fresh(self, state: Any = None) -> tuple[dict, Optional[dict]]:
+    """``(keyword arguments, the NNX copies among them or None)`` for one traced call (the
+    copies' state: ``state``, or theirs when given ``None``)."""
     if self.split is None:
       return dict(self.plain), None
-    copies = nnx.merge(*self.split, copy=True)
+    graphdef, own = self.split
+    copies = nnx.merge(graphdef, own if state is None else state, copy=True)
     return {**self.plain, **copies}, copies
+
+  def state(self) -> Any:
+    """The NNX copies' state (``None`` without any), to pass into a traced pass."""
+    return None if self.split is None else self.split[1]
 
   def update(self, state: Any) -> None:
     """Writes the copies' state after the capture's pass into the caller's objects."""
@@ -253,8 +259,12 @@ def _module_reasons(model: nnx.Module, params: nnx.State) -> dict[tuple[Any, ...
   reasons = capture_lib.unsupported_reasons(paths)
   for owner in reasons:
     if layers_lib.kind_of_module(modules.get(owner)) is not None:
-      reasons[owner] = ("not called in the forward pass, or called inside a raw jax transform "
-                        "(jax.lax.scan, jax.checkpoint) instead of its nnx counterpart")
+      reasons[owner] = ("not called in the forward pass, or called where its variables cannot "
+                        "be written: inside a raw jax transform (jax.lax.scan, jax.checkpoint) "
+                        "instead of its nnx counterpart, or closed over by the function of an "
+                        "nnx transform (nnx.scan, nnx.vmap, nnx.remat; pass the layer as an "
+                        "argument, with in_axes=None for one applied at every step, to have it "
+                        "captured)")
   return capture_lib.bridged_reasons(
       reasons, [p for p, m in modules.items() if isinstance(m, nnx_bridge.ToNNX)], "linen")
 
@@ -267,10 +277,13 @@ def _attention_keys(model: nnx.Module) -> frozenset:
 
 
 def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
-              call_kwargs: _CallKwargs) -> tuple[dict, dict]:
+              call_kwargs: _CallKwargs) -> tuple[dict, dict, dict]:
   """Calls, shapes and metadata of every registered layer (a traced pass, no FLOPs).
 
-  Returns ``(calls, input_dtypes)``. A layer run inside an NNX lifted transform is seen as a
+  Returns ``(calls, input_dtypes, reasons)``, ``reasons`` of the layers applied to an input that
+  depends on their parameters alone (``capture.not_per_example``: a relative-position bucket
+  table, learned latents; the call's keywords and the model's other state, its RNG streams,
+  count as per example). A layer run inside an NNX lifted transform is seen as a
   copy that carries its path; its stack axes are the leading axes of its parameters that the
   copy does not see (``nnx.scan`` / ``nnx.vmap`` over a stack of layers). A layer whose
   unstacked weights are applied at every iteration is marked shared: under ``nnx.vmap`` its
@@ -289,11 +302,14 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
   outer = {path: tuple(v.shape) for path, v in own.items()}
   order = list(outer)
 
-  def run(p, r, probes):
+  seen_inputs: dict[tuple[Any, ...], Any] = {}
+
+  def run(p, r, probes, x_in, kw_state):
     copy = nnx.merge(graphdef, p, r, copy=True)
     layers = _tagged(copy)
     for path, probe in zip(order, probes):
       setattr(layers[path], _PROBE, _Channel(probe))
+    top = jax.extend.core.get_opaque_trace_state(convention="nnx")
 
     def record(original, mod, method, args, kwargs):
       path = getattr(mod, _PATH, None)
@@ -322,17 +338,26 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
       capture_lib.note_call(calls, path, mod, method, args, kwargs, out, stack, shared,
                             lifted=mod is not layers[path])
       dtypes[path] = x.dtype
+      if (method == "__call__" and mod is layers[path]
+          and jax.extend.core.get_opaque_trace_state(convention="nnx") == top):
+        seen_inputs[path] = x
       return out
 
     with _intercept(record):
-      copy(inputs, **call_kwargs.fresh()[0])
-    return [getattr(layers[path], _PROBE).get_value() for path in order]
+      copy(x_in, **call_kwargs.fresh(kw_state)[0])
+    return [getattr(layers[path], _PROBE).get_value() for path in order], dict(seen_inputs)
 
   probes = [jax.ShapeDtypeStruct(own[path].shape, own[path].dtype) for path in order]
-  _mark_scan_shared(jax.make_jaxpr(run)(params, rest, probes).jaxpr, order, written, calls)
+  closed, shapes = jax.make_jaxpr(run, return_shape=True)(
+      params, rest, probes, inputs, call_kwargs.state())
+  _mark_scan_shared(closed.jaxpr, order, written, calls)
+  batch = next((x.shape[0] for x in jax.tree.leaves(inputs) if jnp.ndim(x)), None)
+  reasons = capture_lib.not_per_example(closed.jaxpr, shapes, shapes[1],
+                                        len(jax.tree.leaves(params)), batch)
   # A layer called inside a raw JAX transform (its variables cannot be written there) is left
   # to _module_reasons, which lists it; its calls elsewhere are dropped with it.
-  return {path: seen for path, seen in calls.items() if path not in raw}, dtypes
+  return ({path: seen for path, seen in calls.items() if path not in raw}, dtypes,
+          {path: why for path, why in reasons.items() if path not in raw})
 
 
 def _mark_scan_shared(jaxpr: Any, order: list, written: set, calls: dict) -> None:
@@ -538,10 +563,10 @@ def value_and_grad_with_stats(
     capture_lib.check_rng_keyword(type(model).__call__, rng,
                                   "thor_optax.nnx.value_and_grad_with_stats")
     call_kwargs = _CallKwargs(kwargs)
-    calls, dtypes = capture_lib.one_input(
+    calls, dtypes, unbatched = capture_lib.one_input(
         lambda: _discover(graphdef, params, rest, inputs, call_kwargs),
         "thor_optax.nnx.value_and_grad_with_stats")
-    tied = _shared_params(model)
+    tied = {**unbatched, **_shared_params(model)}
     outside = {**capture_lib.used_outside_their_calls(
         functools.partial(_zeroed_forward, graphdef, rest, inputs, call_kwargs), params,
         {path: seen for path, seen in calls.items() if path not in tied}), **tied}
