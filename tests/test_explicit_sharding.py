@@ -161,6 +161,11 @@ def test_linen_every_layer_kind_two_devices_with_distributed_inversion():
   assert inverse.shape[0] % 2 == 0
   assert jax.typeof(inverse).sharding.spec[0] == "data"  # still sharded after the steps
   assert jax.typeof(got["Dense_0"]["kernel"]).sharding.spec == P(None, None)
+  # The steps return the state laid out as kronecker_state_sharding says, spec for spec (a
+  # state placed with P() and returned as P(None, None) compiled the step a second time).
+  placed = thor_optax.kronecker_state_sharding(state, mesh, block_axis="data")
+  for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(placed)):
+    assert jax.typeof(leaf).sharding.spec == sharding.spec
 
 
 class Wide(nn.Module):

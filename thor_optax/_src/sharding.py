@@ -105,20 +105,25 @@ def kronecker_state_sharding(opt_state: Any, mesh: Mesh, block_axis: Optional[st
   if block_axis is not None and block_axis not in mesh.shape:
     raise ValueError(f"block_axis {block_axis!r} is not an axis of the mesh "
                      f"{dict(mesh.shape)}.")
-  replicated = NamedSharding(mesh, PartitionSpec())
-  blocked = NamedSharding(mesh, PartitionSpec(block_axis))
+  # Specs spelled out to every axis, as a step's outputs come back under an explicit-sharding
+  # mesh: a state placed with P() where the step returns P(None, None) would compile the step
+  # a second time for its own output.
+  def replicated(leaf):
+    return NamedSharding(mesh, PartitionSpec(*[None] * getattr(leaf, "ndim", 0)))
 
   def stack(leaf):
     n = leaf.shape[0] if getattr(leaf, "ndim", 0) else 0
-    return blocked if block_axis and n and n % mesh.shape[block_axis] == 0 else replicated
+    if block_axis and n and n % mesh.shape[block_axis] == 0:
+      return NamedSharding(mesh, PartitionSpec(block_axis, *[None] * (leaf.ndim - 1)))
+    return replicated(leaf)
 
   def node(x):
     if isinstance(x, nn.Partitioned):  # boxed like a parameter: sharded as the parameter
       return x.replace_boxed(_boxed_sharding(x, mesh, rules))
     if not isinstance(x, transform.KroneckerState):
-      return replicated
+      return replicated(x)
     # Every leaf of a block stack has the block index on axis 0; the rest is replicated.
-    everything = jax.tree.map(lambda _: replicated, x)
+    everything = jax.tree.map(replicated, x)
     return everything._replace(blocks=jax.tree.map(stack, x.blocks))
 
   def is_node(x):
