@@ -607,6 +607,8 @@ class _SharedTables(nnx.Module):
   def __init__(self, rngs):
     self.latents = nnx.Param(jax.random.normal(rngs.params(), (6, 3)))
     self.latent_proj = nnx.Linear(3, 3, rngs=rngs)
+    self.buffer = nnx.Variable(jax.random.normal(rngs.params(), (7, 3)))  # not trained
+    self.buffer_proj = nnx.Linear(3, 3, rngs=rngs)
     self.bias = nnx.Embed(5, 2, rngs=rngs)
     self.noise_proj = nnx.Linear(4, 6, rngs=rngs)
     self.head = nnx.Linear(6 + 2 * 25, 3, rngs=rngs)
@@ -615,6 +617,7 @@ class _SharedTables(nnx.Module):
   def __call__(self, x):
     n = x.shape[0]
     h = jnp.einsum("ld,ntd->nl", self.latent_proj(self.latents[...]), x)
+    h = h + jnp.einsum("ld,ntd->nl", self.buffer_proj(self.buffer[...]), x)[:, :6]
     buckets = jnp.clip(jnp.arange(5)[None] - jnp.arange(5)[:, None], -2, 2) + 2
     bias = jnp.broadcast_to(self.bias(buckets)[None], (n, 5, 5, 2)).reshape(n, -1)
     h = h + self.noise_proj(jax.random.normal(self.rngs.noise(), (n, 4)))
@@ -623,12 +626,14 @@ class _SharedTables(nnx.Module):
 
 def test_layers_on_inputs_shared_by_every_example_are_listed():
   """As linen's (tests/test_capture_layers.py): before, the latents' projection and the bias
-  table were taken with their first axis for the examples, silently."""
+  table were taken with their first axis for the examples, silently. A buffer (an
+  ``nnx.Variable`` that is not a parameter) is the same for every example too; only the RNG
+  streams of the model's state make an input per example."""
   model = _SharedTables(nnx.Rngs(0, noise=1))
   x = jax.random.normal(jax.random.PRNGKey(0), (4, 5, 3))
   (_, _), stats = thor_nnx.value_and_grad_with_stats(_loss)(model, x, jnp.arange(4) % 3)
   listed = dict(note.split(": ", 1) for note in stats.unhandled)
-  for name, shape in (("latent_proj", (6, 3)), ("bias", (5, 5))):
+  for name, shape in (("latent_proj", (6, 3)), ("buffer_proj", (7, 3)), ("bias", (5, 5))):
     assert listed[name].startswith(f"applied to an input of shape {shape} that depends on no "
                                    "example"), listed
   assert sorted(stats.layers) == ["head", "noise_proj"]

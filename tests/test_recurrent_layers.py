@@ -266,6 +266,16 @@ def test_thor_trains_recurrent_networks_with_every_layer_preconditioned():
 
   xs = jax.random.normal(jax.random.key(3), (N, T, H), jnp.float64)
   ys = jax.random.randint(jax.random.key(4), (N, T), 0, K)
-  _, stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(NNXCellScan(nnx.Rngs(0)), xs, ys)
+  model = NNXCellScan(nnx.Rngs(0))
+  _, stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(model, xs, ys)
   assert stats.unhandled == ()
   assert stats.layers["cell"].inputs.shape == (N, H)
+  # K-FAC-reduce over the steps: the cell's inputs h_0 .. h_{T-1} averaged (before, after a
+  # change of the discovery pass's arguments, the zeros of its channel, and exact rows).
+  h, inputs = jnp.zeros((N, H)), []
+  for t in range(T):
+    inputs.append(h)
+    h = jnp.tanh(model.cell(h) + xs[:, t])
+  np.testing.assert_allclose(stats.layers["cell"].inputs, jnp.stack(inputs).mean(0), rtol=0,
+                             atol=1e-14)
+  assert stats.exact_rows == ("head",)

@@ -304,8 +304,13 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
 
   seen_inputs: dict[tuple[Any, ...], Any] = {}
 
-  def run(p, r, probes, x_in, kw_state):
-    copy = nnx.merge(graphdef, p, r, copy=True)
+  # The model's other state in two parts: its RNG streams (an input drawn from them is per
+  # example) and the rest (buffers, batch statistics: as the parameters, the same for every
+  # example). The probes come last, where _mark_scan_shared reads them.
+  rngs, kept = nnx.split_state(rest, nnx.RngState, ...)
+
+  def run(p, kept, rngs, x_in, kw_state, probes):
+    copy = nnx.merge(graphdef, p, kept, rngs, copy=True)
     layers = _tagged(copy)
     for path, probe in zip(order, probes):
       setattr(layers[path], _PROBE, _Channel(probe))
@@ -349,11 +354,11 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
 
   probes = [jax.ShapeDtypeStruct(own[path].shape, own[path].dtype) for path in order]
   closed, shapes = jax.make_jaxpr(run, return_shape=True)(
-      params, rest, probes, inputs, call_kwargs.state())
+      params, kept, rngs, inputs, call_kwargs.state(), probes)
   _mark_scan_shared(closed.jaxpr, order, written, calls)
   batch = next((x.shape[0] for x in jax.tree.leaves(inputs) if jnp.ndim(x)), None)
   reasons = capture_lib.not_per_example(closed.jaxpr, shapes, shapes[1],
-                                        len(jax.tree.leaves(params)), batch)
+                                        len(jax.tree.leaves((params, kept))), batch)
   # A layer called inside a raw JAX transform (its variables cannot be written there) is left
   # to _module_reasons, which lists it; its calls elsewhere are dropped with it.
   return ({path: seen for path, seen in calls.items() if path not in raw}, dtypes,
