@@ -845,19 +845,9 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     kind = layers_lib.kind_of_module(mod)
     if kind is None or method not in kind.methods:
       return out
-    if mod.scope.root is ctx.root and ctx.traced_apart():
-      transformed[tuple(mod.path)] = (
-          f"called inside a transform it is not lifted through (a branch of nn.cond / "
-          f"nn.switch or the body of nn.while_loop closing over the {type(mod).__name__} of "
-          "an outer module, a raw jax transform): its inputs and cotangents cannot leave it, "
-          "so its gradients pass through unpreconditioned; create the layer inside the branch "
-          "or body function (under the module it receives), which lifts it")
-      return out
-    if any("map_variables(" in p for p in mod.scope.root.debug_path):
-      transformed[tuple(mod.path)] = (
-          f"its variables are mapped by nn.map_variables (nn.WeightNorm, nn.SpectralNorm wrap "
-          f"the {type(mod).__name__} so), so the weight it applies is a function of its "
-          "parameters, not them; its gradients pass through unpreconditioned")
+    why = _not_lifted_reason(mod, ctx)
+    if why:
+      transformed[tuple(mod.path)] = why
       return out
     if is_attention_key(mod):
       keys.add(tuple(mod.path))
@@ -872,7 +862,39 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
       mod.scope.put_variable("params", _INPUTS, primary_input(args, kwargs))
     return out
 
-  # The call's array keywords (rngs: an input drawn from them is per example) are traced too.
+  closed, mutated = _trace_discovery(apply, record, ctx, params, model_state, inputs)
+  counts = {path: _get(mutated, path)[_CALLS].shape[-1] for path in calls
+            if _CALLS in (_get(mutated, path) or {})}
+  probes = {path: _get(mutated, path)[_INPUTS] for path in calls
+            if _INPUTS in (_get(mutated, path) or {})}
+  given = len(jax.tree.leaves((params, model_state)))
+  for path, why in not_per_example(closed.jaxpr, mutated, probes, given,
+                                   batch_size(inputs)).items():
+    transformed.setdefault(path, why)
+  return calls, counts, foreign, transformed, frozenset(keys)
+
+
+def _not_lifted_reason(mod: nn.Module, ctx: _Context) -> str:
+  """Why a call of a registered kind cannot be captured as its module's own (``''``: it can):
+  it runs under a transform it is not lifted through, or inside ``nn.map_variables``."""
+  if mod.scope.root is ctx.root and ctx.traced_apart():
+    return (f"called inside a transform it is not lifted through (a branch of nn.cond / "
+            f"nn.switch or the body of nn.while_loop closing over the {type(mod).__name__} of "
+            "an outer module, a raw jax transform): its inputs and cotangents cannot leave it, "
+            "so its gradients pass through unpreconditioned; create the layer inside the "
+            "branch or body function (under the module it receives), which lifts it")
+  if any("map_variables(" in p for p in mod.scope.root.debug_path):
+    return (f"its variables are mapped by nn.map_variables (nn.WeightNorm, nn.SpectralNorm "
+            f"wrap the {type(mod).__name__} so), so the weight it applies is a function of its "
+            "parameters, not them; its gradients pass through unpreconditioned")
+  return ""
+
+
+def _trace_discovery(apply: _Apply, record: Callable, ctx: _Context, params: Any,
+                     model_state: dict, inputs: Any) -> tuple[Any, Any]:
+  """``(closed jaxpr, mutated params shapes)`` of the discovery pass ``model.apply`` under the
+  interceptor ``record``, traced from ``(params, model_state, inputs, the call's array
+  keywords)``: the keywords (rngs: an input drawn from them is per example) are inputs too."""
   kw_leaves, kw_def = jax.tree.flatten(apply.kwargs)
   traced = [i for i, v in enumerate(kw_leaves) if isinstance(v, (jax.Array, np.ndarray))]
 
@@ -885,17 +907,13 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
       return dataclasses.replace(apply, kwargs=kw_def.unflatten(leaves)).instrumented(
           {"params": p, **state}, x)[1]["params"]
 
-  closed, mutated = jax.make_jaxpr(run, return_shape=True)(
-      params, model_state, inputs, [kw_leaves[i] for i in traced])
-  counts = {path: _get(mutated, path)[_CALLS].shape[-1] for path in calls
-            if _CALLS in (_get(mutated, path) or {})}
-  probes = {path: _get(mutated, path)[_INPUTS] for path in calls
-            if _INPUTS in (_get(mutated, path) or {})}
-  given = len(jax.tree.leaves((params, model_state)))
-  batch = next((x.shape[0] for x in jax.tree.leaves(inputs) if jnp.ndim(x)), None)
-  for path, why in not_per_example(closed.jaxpr, mutated, probes, given, batch).items():
-    transformed.setdefault(path, why)
-  return calls, counts, foreign, transformed, frozenset(keys)
+  return jax.make_jaxpr(run, return_shape=True)(params, model_state, inputs,
+                                                [kw_leaves[i] for i in traced])
+
+
+def batch_size(inputs: Any) -> Optional[int]:
+  """The leading axis of the first array of rank >= 1 among the model's inputs."""
+  return next((x.shape[0] for x in jax.tree.leaves(inputs) if jnp.ndim(x)), None)
 
 
 def not_per_example(jaxpr: Any, outputs: Any, probes: Mapping[tuple[str, ...], Any],

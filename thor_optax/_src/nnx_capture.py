@@ -281,10 +281,10 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
   """Calls, shapes and metadata of every registered layer (a traced pass, no FLOPs).
 
   Returns ``(calls, input_dtypes, reasons)``, ``reasons`` of the layers applied to an input that
-  depends on their parameters alone (``capture.not_per_example``: a relative-position bucket
-  table, learned latents; the call's keywords and the model's other state, its RNG streams,
-  count as per example). A layer run inside an NNX lifted transform is seen as a
-  copy that carries its path; its stack axes are the leading axes of its parameters that the
+  depends on no example (``capture.not_per_example``: a relative-position bucket table,
+  learned latents or a buffer; the call's keywords and the model's RNG streams count as per
+  example, its buffers and batch statistics do not). A layer run inside an NNX lifted
+  transform is seen as a copy that carries its path; its stack axes are the leading axes of its parameters that the
   copy does not see (``nnx.scan`` / ``nnx.vmap`` over a stack of layers). A layer whose
   unstacked weights are applied at every iteration is marked shared: under ``nnx.vmap`` its
   input is mapped while its weights are not; under ``nnx.scan`` the write of its probe channel
@@ -293,17 +293,10 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
   carries its cell's state: the probe's output is a ``scan`` output while the layer is not one
   of a stack).
   """
-  calls: dict[tuple[Any, ...], list] = {}
-  dtypes: dict[tuple[Any, ...], Any] = {}
-  written: set[tuple[Any, ...]] = set()
-  raw: set[tuple[Any, ...]] = set()  # called inside jax.checkpoint / lax.scan / lax.cond
   own = {path: _own_param(mod)
          for path, mod in _layers(nnx.merge(graphdef, params, rest, copy=True)).items()}
-  outer = {path: tuple(v.shape) for path, v in own.items()}
-  order = list(outer)
-
-  seen_inputs: dict[tuple[Any, ...], Any] = {}
-
+  found = _Discovery({path: tuple(v.shape) for path, v in own.items()})
+  order = list(found.outer)
   # The model's other state in two parts: its RNG streams (an input drawn from them is per
   # example) and the rest (buffers, batch statistics: as the parameters, the same for every
   # example). The probes come last, where _mark_scan_shared reads them.
@@ -311,58 +304,89 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
 
   def run(p, kept, rngs, x_in, kw_state, probes):
     copy = nnx.merge(graphdef, p, kept, rngs, copy=True)
-    layers = _tagged(copy)
+    found.layers = _tagged(copy)
     for path, probe in zip(order, probes):
-      setattr(layers[path], _PROBE, _Channel(probe))
-    top = jax.extend.core.get_opaque_trace_state(convention="nnx")
-
-    def record(original, mod, method, args, kwargs):
-      path = getattr(mod, _PATH, None)
-      try:
-        out = original(mod, *args, **kwargs)
-      except Exception as e:  # name the failing layer, keep the exception as it is
-        if path is not None and hasattr(e, "add_note"):  # Python >= 3.11
-          e.add_note(f"in {type(mod).__name__}.{method} of the layer at "
-                     f"'{capture_lib.path_name(path)}' (thor_optax.nnx capture)")
-        raise
-      if path not in outer:
-        return out
-      inner = _own_param(mod)
-      stack = outer[path][:len(outer[path]) - inner.ndim]
-      x = capture_lib.primary_input(args, kwargs)
-      shared = "nnx.vmap" if not stack and _batched(x) and not _batched(inner) else ""
-      if path in raw:
-        return out
-      if method == "__call__":
-        try:
-          getattr(mod, _PROBE).set_value(inner)
-        except flax_errors.TraceContextError:  # inside a raw jax transform: listed
-          raw.add(path)
-          return out
-        written.add(path)
-      capture_lib.note_call(calls, path, mod, method, args, kwargs, out, stack, shared,
-                            lifted=mod is not layers[path])
-      dtypes[path] = x.dtype
-      if (method == "__call__" and mod is layers[path]
-          and jax.extend.core.get_opaque_trace_state(convention="nnx") == top):
-        seen_inputs[path] = x
-      return out
-
-    with _intercept(record):
+      setattr(found.layers[path], _PROBE, _Channel(probe))
+    found.top = jax.extend.core.get_opaque_trace_state(convention="nnx")
+    with _intercept(found.record):
       copy(x_in, **call_kwargs.fresh(kw_state)[0])
-    return [getattr(layers[path], _PROBE).get_value() for path in order], dict(seen_inputs)
+    return ([getattr(found.layers[path], _PROBE).get_value() for path in order],
+            dict(found.inputs))
 
   probes = [jax.ShapeDtypeStruct(own[path].shape, own[path].dtype) for path in order]
   closed, shapes = jax.make_jaxpr(run, return_shape=True)(
       params, kept, rngs, inputs, call_kwargs.state(), probes)
-  _mark_scan_shared(closed.jaxpr, order, written, calls)
-  batch = next((x.shape[0] for x in jax.tree.leaves(inputs) if jnp.ndim(x)), None)
+  _mark_scan_shared(closed.jaxpr, order, found.written, found.calls)
   reasons = capture_lib.not_per_example(closed.jaxpr, shapes, shapes[1],
-                                        len(jax.tree.leaves((params, kept))), batch)
+                                        len(jax.tree.leaves((params, kept))),
+                                        capture_lib.batch_size(inputs))
   # A layer called inside a raw JAX transform (its variables cannot be written there) is left
   # to _module_reasons, which lists it; its calls elsewhere are dropped with it.
-  return ({path: seen for path, seen in calls.items() if path not in raw}, dtypes,
-          {path: why for path, why in reasons.items() if path not in raw})
+  return ({path: seen for path, seen in found.calls.items() if path not in found.raw},
+          found.dtypes, {path: why for path, why in reasons.items() if path not in found.raw})
+
+
+@dataclasses.dataclass
+class _Discovery:
+  """What the discovery pass's interceptor (:meth:`record`) finds, layer by layer.
+
+  Attributes:
+    outer: ``{path: shape}`` of each registered layer's own parameter in the model.
+    calls: the :class:`capture.Call` s by path; ``dtypes``: each layer's input dtype.
+    written: layers whose probe channel a ``__call__`` wrote.
+    raw: layers called inside a raw JAX transform (their variables cannot be written there).
+    inputs: each layer's input, when called on the pass's own trace (not in a lifted copy).
+    layers: the pass's model copy's layers by path; ``top``: the pass's JAX trace.
+  """
+
+  outer: dict
+  calls: dict = dataclasses.field(default_factory=dict)
+  dtypes: dict = dataclasses.field(default_factory=dict)
+  written: set = dataclasses.field(default_factory=set)
+  raw: set = dataclasses.field(default_factory=set)
+  inputs: dict = dataclasses.field(default_factory=dict)
+  layers: dict = dataclasses.field(default_factory=dict)
+  top: Any = None
+
+  def record(self, original, mod, method, args, kwargs):
+    """The interceptor: calls the layer and notes the call (see :func:`_discover`)."""
+    path = getattr(mod, _PATH, None)
+    out = _call_naming_the_layer(original, mod, method, args, kwargs, path)
+    if path not in self.outer:
+      return out
+    inner = _own_param(mod)
+    stack = self.outer[path][:len(self.outer[path]) - inner.ndim]
+    x = capture_lib.primary_input(args, kwargs)
+    shared = "nnx.vmap" if not stack and _batched(x) and not _batched(inner) else ""
+    if path in self.raw:
+      return out
+    if method == "__call__":
+      try:
+        getattr(mod, _PROBE).set_value(inner)
+      except flax_errors.TraceContextError:  # inside a raw jax transform: listed
+        self.raw.add(path)
+        return out
+      self.written.add(path)
+    capture_lib.note_call(self.calls, path, mod, method, args, kwargs, out, stack, shared,
+                          lifted=mod is not self.layers[path])
+    self.dtypes[path] = x.dtype
+    if (method == "__call__" and mod is self.layers[path]
+        and jax.extend.core.get_opaque_trace_state(convention="nnx") == self.top):
+      self.inputs[path] = x
+    return out
+
+
+def _call_naming_the_layer(original: Callable, mod: nnx.Module, method: str, args: tuple,
+                           kwargs: dict, path: Any) -> Any:
+  """``original(mod, *args, **kwargs)``; an exception it raises gets a note naming the layer
+  (Python >= 3.11) and is raised as it is."""
+  try:
+    return original(mod, *args, **kwargs)
+  except Exception as e:
+    if path is not None and hasattr(e, "add_note"):
+      e.add_note(f"in {type(mod).__name__}.{method} of the layer at "
+                 f"'{capture_lib.path_name(path)}' (thor_optax.nnx capture)")
+    raise
 
 
 def _mark_scan_shared(jaxpr: Any, order: list, written: set, calls: dict) -> None:
