@@ -342,10 +342,8 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
       continue  # no parameters, nothing to precondition
     n_calls = (counts or {}).get(path, sum(c.method == "__call__" for c in seen))
     sharing = n_calls > 1 or any(c.method != "__call__" for c in seen)
-    overridden = kind.overridden(first.module)
-    if overridden:
-      methods = [n for n in overridden if not n.startswith("its ")]
-      fields = [n[len("its "):] for n in overridden if n.startswith("its ")]
+    methods, fields = kind.overridden(first.module)
+    if methods or fields:
       what = " and ".join(
           ([f"overrides {', '.join(methods)} of the {kind.name} layer it subclasses"]
            if methods else [])

@@ -303,20 +303,20 @@ class LayerKind(abc.ABC):
     """Whether ``module`` (a linen or NNX module instance) is of this kind."""
     return isinstance(module, self.linen_modules + self.nnx_modules)
 
-  def overridden(self, module: Any) -> tuple[str, ...]:
-    """The methods (the intercepted ones and linen's ``param``) that ``module``'s class replaces
-    in the registered class it matches, and ``'its <field>'`` for each of
-    :data:`OPERATION_FIELDS` it is given (:func:`replaced_operations`): the weight it applies
-    may then not be its parameter (a weight-standardized ``nn.Conv`` overriding ``param``, a
-    ``Dense`` scaling its kernel in its ``dot_general``), so capture lists it."""
+  def overridden(self, module: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(methods, fields)``: the methods (the intercepted ones and linen's ``param``) that
+    ``module``'s class replaces in the registered class it matches, and the
+    :data:`OPERATION_FIELDS` it is given (:func:`replaced_operations`). Either way the weight
+    it applies may not be its parameter (a weight-standardized ``nn.Conv`` overriding
+    ``param``, a ``Dense`` scaling its kernel in its ``dot_general``), so capture lists it."""
     base_cls = next((c for c in self.linen_modules + self.nnx_modules
                      if isinstance(module, c)), None)
     if base_cls is None:
-      return ()
+      return (), ()
     names = self.methods + ("param",)
     methods = tuple(n for n in names if hasattr(base_cls, n)
                     and getattr(type(module), n) is not getattr(base_cls, n))
-    return methods + tuple(f"its {n}" for n in replaced_operations(module, base_cls))
+    return methods, replaced_operations(module, base_cls)
 
   def plan(self, module: Any, methods: tuple[str, ...],
            input_shape: tuple[int, ...]) -> Plan:
