@@ -81,6 +81,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
+from thor_optax._src import attention_keys
 from thor_optax._src import layers as layers_lib
 from thor_optax._src import stats as stats_lib
 from thor_optax._src import step_sharing
@@ -317,8 +318,9 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
       (given to a module applied with ``.apply()``): listed, not captured.
     weight_sharing: the capture's option (``step_sharing.plan``: ``'expand'`` lists a layer
       shared over a loop's iterations).
-    attention_keys: paths of the key projections of Flax's attention modules
-      (:func:`is_attention_key`), which ``'auto'`` expands (:func:`layer_weight_sharing`).
+    attention_keys: paths of the key projections of attention (Flax's modules',
+      :func:`is_attention_key`, and those ``attention_keys.shift_invariant`` finds), which
+      ``'auto'`` expands (:func:`layer_weight_sharing`).
 
   Returns:
     ``(captured, unhandled)``: ``captured[path] = dict(kind=, meta=, out=, input_shape=,
@@ -819,12 +821,14 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
   count); ``{site: module class}`` of layers applied with ``.apply()`` inside the model; and
   ``{module path: reason}`` of layers run inside ``nn.map_variables`` (``nn.WeightNorm``,
   ``nn.SpectralNorm``), whose applied weight is a function of their parameter: listed; and
-  the paths of attention key projections (:func:`is_attention_key`).
+  the paths of attention key projections: Flax's (:func:`is_attention_key`) and those of
+  attention written by hand, found from the pass's jaxpr (``attention_keys.shift_invariant``).
   """
   calls: dict[tuple[str, ...], list] = {}
   foreign: dict[str, str] = {}
   transformed: dict[tuple[str, ...], str] = {}
   keys: set[tuple[str, ...]] = set()
+  marks = attention_keys.Marks()
   ctx = _Context({path: {k: tuple(v.shape) for k, v in leaves.items()}
                   for path, leaves in _module_leaves(params).items()})
 
@@ -849,6 +853,10 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
       return out
     if is_attention_key(mod):
       keys.add(tuple(mod.path))
+    elif method == "__call__":
+      plan = kind.plan(mod, (method,), jnp.shape(primary_input(args, kwargs)))
+      if plan.meta is not None:
+        out = marks.mark(out, tuple(mod.path), kind.output_positions(plan.meta, jnp.ndim(out)))
     place = ctx.placement(mod)
     stack, shared_over = place if place is not None else ((), "")
     note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over,
@@ -860,13 +868,16 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
       mod.scope.put_variable("params", _INPUTS, primary_input(args, kwargs))
     return out
 
-  closed, mutated = _trace_discovery(apply, record, ctx, params, model_state, inputs)
+  closed, (outputs, mutated) = _trace_discovery(apply, record, ctx, params, model_state,
+                                                inputs)
+  keys.update(attention_keys.shift_invariant(
+      closed.jaxpr, [i < len(outputs) for i in range(len(closed.jaxpr.outvars))], marks))
   counts = {path: _get(mutated, path)[_CALLS].shape[-1] for path in calls
             if _CALLS in (_get(mutated, path) or {})}
   probes = {path: _get(mutated, path)[_INPUTS] for path in calls
             if _INPUTS in (_get(mutated, path) or {})}
   given = len(jax.tree.leaves((params, model_state)))
-  for path, why in not_per_example(closed.jaxpr, mutated, probes, given,
+  for path, why in not_per_example(closed.jaxpr, (outputs, mutated), probes, given,
                                    batch_size(inputs)).items():
     transformed.setdefault(path, why)
   return calls, counts, foreign, transformed, frozenset(keys)
@@ -890,9 +901,11 @@ def _not_lifted_reason(mod: nn.Module, ctx: _Context) -> str:
 
 def _trace_discovery(apply: _Apply, record: Callable, ctx: _Context, params: Any,
                      model_state: dict, inputs: Any) -> tuple[Any, Any]:
-  """``(closed jaxpr, mutated params shapes)`` of the discovery pass ``model.apply`` under the
-  interceptor ``record``, traced from ``(params, model_state, inputs, the call's array
-  keywords)``: the keywords (rngs: an input drawn from them is per example) are inputs too."""
+  """``(closed jaxpr, (output shapes, mutated params shapes))`` of the discovery pass
+  ``model.apply`` under the interceptor ``record``, traced from ``(params, model_state,
+  inputs, the call's array keywords)``: the keywords (rngs: an input drawn from them is per
+  example) are inputs too. The outputs are the model output's array leaves, the jaxpr's first
+  outputs."""
   kw_leaves, kw_def = jax.tree.flatten(apply.kwargs)
   traced = [i for i, v in enumerate(kw_leaves) if isinstance(v, (jax.Array, np.ndarray))]
 
@@ -902,8 +915,9 @@ def _trace_discovery(apply: _Apply, record: Callable, ctx: _Context, params: Any
     for i, v in zip(traced, kw):
       leaves[i] = v
     with nn.intercept_methods(record):
-      return dataclasses.replace(apply, kwargs=kw_def.unflatten(leaves)).instrumented(
-          {"params": p, **state}, x)[1]["params"]
+      out, mutated = dataclasses.replace(apply, kwargs=kw_def.unflatten(leaves)).instrumented(
+          {"params": p, **state}, x)
+    return [y for y in jax.tree.leaves(out) if isinstance(y, jax.Array)], mutated["params"]
 
   return jax.make_jaxpr(run, return_shape=True)(params, model_state, inputs,
                                                 [kw_leaves[i] for i in traced])
@@ -1194,8 +1208,10 @@ def value_and_grad_with_stats(
       inputs averaged and cotangents summed over positions: ``N`` rows, about ``T`` times
       cheaper; exact when positions are pooled before a per-example loss, a classifying
       ViT), or ``'auto'`` (default): expand when the loss has more terms than examples, else
-      reduce, except for the key projections of Flax's attention modules, always expanded
-      (their cotangents sum to zero over the positions: reduce's ``G`` would vanish). Dense
+      reduce, except for the key projections of attention, always expanded (their
+      cotangents sum to zero over the positions: reduce's ``G`` would vanish): Flax's
+      attention modules' by name, those of attention written by hand found from the traced
+      model (``attention_keys.py``). Dense
       and ``DenseGeneral`` layers; embeddings always expand, convolutions follow the
       transforms' ``conv_statistics``. A layer whose weights a lifted loop applies
       at every iteration (a recurrent cell) is always folded with reduce over the iterations,

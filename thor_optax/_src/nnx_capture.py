@@ -77,6 +77,7 @@ from flax.nnx import graph as nnx_graph
 import jax
 import jax.numpy as jnp
 
+from thor_optax._src import attention_keys
 from thor_optax._src import capture as capture_lib
 from thor_optax._src import layers as layers_lib
 from thor_optax._src import stats as stats_lib
@@ -277,10 +278,12 @@ def _attention_keys(model: nnx.Module) -> frozenset:
 
 
 def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
-              call_kwargs: _CallKwargs) -> tuple[dict, dict, dict]:
+              call_kwargs: _CallKwargs) -> tuple[dict, dict, dict, frozenset]:
   """Calls, shapes and metadata of every registered layer (a traced pass, no FLOPs).
 
-  Returns ``(calls, input_dtypes, reasons)``, ``reasons`` of the layers applied to an input that
+  Returns ``(calls, input_dtypes, reasons, keys)``, ``keys`` the paths of the key projections
+  of attention written by hand (``attention_keys.shift_invariant`` on the pass's jaxpr, whose
+  last outputs are the model's), ``reasons`` of the layers applied to an input that
   depends on no example (``capture.not_per_example``: a relative-position bucket table,
   learned latents or a buffer; the call's keywords and the model's RNG streams count as per
   example, its buffers and batch statistics do not). A layer run inside an NNX lifted
@@ -309,9 +312,9 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
       setattr(found.layers[path], _PROBE, _Channel(probe))
     found.top = jax.extend.core.get_opaque_trace_state(convention="nnx")
     with _intercept(found.record):
-      copy(x_in, **call_kwargs.fresh(kw_state)[0])
+      out = copy(x_in, **call_kwargs.fresh(kw_state)[0])
     return ([getattr(found.layers[path], _PROBE).get_value() for path in order],
-            dict(found.inputs))
+            dict(found.inputs), [y for y in jax.tree.leaves(out) if isinstance(y, jax.Array)])
 
   probes = [jax.ShapeDtypeStruct(own[path].shape, own[path].dtype) for path in order]
   closed, shapes = jax.make_jaxpr(run, return_shape=True)(
@@ -320,10 +323,14 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
   reasons = capture_lib.not_per_example(closed.jaxpr, shapes, shapes[1],
                                         len(jax.tree.leaves((params, kept))),
                                         capture_lib.batch_size(inputs))
+  n_out = len(closed.jaxpr.outvars)
+  keys = attention_keys.shift_invariant(
+      closed.jaxpr, [i >= n_out - len(shapes[2]) for i in range(n_out)], found.marks)
   # A layer called inside a raw JAX transform (its variables cannot be written there) is left
   # to _module_reasons, which lists it; its calls elsewhere are dropped with it.
   return ({path: seen for path, seen in found.calls.items() if path not in found.raw},
-          found.dtypes, {path: why for path, why in reasons.items() if path not in found.raw})
+          found.dtypes, {path: why for path, why in reasons.items() if path not in found.raw},
+          keys)
 
 
 @dataclasses.dataclass
@@ -337,6 +344,7 @@ class _Discovery:
     raw: layers called inside a raw JAX transform (their variables cannot be written there).
     inputs: each layer's input, when called on the pass's own trace (not in a lifted copy).
     layers: the pass's model copy's layers by path; ``top``: the pass's JAX trace.
+    marks: the layers whose outputs are routed through ``attention_keys.Marks``.
   """
 
   outer: dict
@@ -347,6 +355,7 @@ class _Discovery:
   inputs: dict = dataclasses.field(default_factory=dict)
   layers: dict = dataclasses.field(default_factory=dict)
   top: Any = None
+  marks: attention_keys.Marks = dataclasses.field(default_factory=attention_keys.Marks)
 
   def record(self, original, mod, method, args, kwargs):
     """The interceptor: calls the layer and notes the call (see :func:`_discover`)."""
@@ -367,6 +376,10 @@ class _Discovery:
         self.raw.add(path)
         return out
       self.written.add(path)
+    kind = layers_lib.kind_of_module(mod)
+    plan = kind.plan(mod, (method,), jnp.shape(x)) if method == "__call__" else None
+    if plan is not None and plan.meta is not None:
+      out = self.marks.mark(out, path, kind.output_positions(plan.meta, jnp.ndim(out)))
     capture_lib.note_call(self.calls, path, mod, method, args, kwargs, out, stack, shared,
                           lifted=mod is not self.layers[path])
     self.dtypes[path] = x.dtype
@@ -592,7 +605,7 @@ def value_and_grad_with_stats(
     capture_lib.check_rng_keyword(type(model).__call__, rng,
                                   "thor_optax.nnx.value_and_grad_with_stats")
     call_kwargs = _CallKwargs(kwargs)
-    calls, dtypes, unbatched = capture_lib.one_input(
+    calls, dtypes, unbatched, keys = capture_lib.one_input(
         lambda: _discover(graphdef, params, rest, inputs, call_kwargs),
         "thor_optax.nnx.value_and_grad_with_stats")
     tied = {**unbatched, **_shared_params(model)}
@@ -602,7 +615,7 @@ def value_and_grad_with_stats(
     captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params),
                                                  shared=outside,
                                                  weight_sharing=options.weight_sharing,
-                                                 attention_keys=_attention_keys(model))
+                                                 attention_keys=_attention_keys(model) | keys)
     forward = functools.partial(_forward, graphdef, rest, inputs, call_kwargs, captured, dtypes)
     loss, grads, stats, (new_rest, new_nodes) = capture_lib.vjp_with_stats(
         forward, params, captured, unhandled, loss_fn, targets, rng, options)

@@ -358,6 +358,14 @@ class LayerKind(abc.ABC):
     del methods, inputs, cotangents, meta
     raise NotImplementedError(f"layer kind {self.name!r} does not join shared uses")
 
+  def output_positions(self, meta: Mapping[str, Any], out_ndim: int) -> tuple[int, ...]:
+    """The axes of an output of rank ``out_ndim`` (after the example axis 0) that are positions
+    sharing the weight, over which K-FAC-reduce sums the output cotangents; ``meta``: the
+    plan's. The discovery pass shifts the output along them to find attention keys
+    (``attention_keys.py``). Default: ``()`` (positions not folded)."""
+    del meta, out_ndim
+    return ()
+
   def per_loss_term(self, stats: Any, num_terms: int, weight_sharing: str) -> Any:
     """The statistics of one call for a mean loss of ``num_terms`` terms.
 

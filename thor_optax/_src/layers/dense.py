@@ -181,6 +181,11 @@ class Dense(base.LayerKind):
     check_cotangents(spec, stats)
     check_inputs(spec, stats, spec.kernel_shape[0])
 
+  def output_positions(self, meta, out_ndim):
+    """Every axis between the examples and the output features ``(N, P..., d_out)``."""
+    del meta
+    return tuple(range(1, out_ndim - 1))
+
   def per_loss_term(self, stats, num_terms, weight_sharing):
     inputs, cotangents, divisor = base.fold_positions(stats.inputs, stats.cotangents,
                                                       num_terms, 1, weight_sharing)

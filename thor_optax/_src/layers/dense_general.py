@@ -141,6 +141,10 @@ class DenseGeneral(dense.Dense):
         cotangents=cotangents.reshape(g_keep + (-1,)),
         in_axes=len(axis), out_axes=out_axes)
 
+  def output_positions(self, meta, out_ndim):
+    """The axes between the examples and the ``out_axes`` output feature axes."""
+    return tuple(range(1, out_ndim - meta["out_axes"]))
+
   def claim(self, path: tuple[str, ...],
             shapes: Mapping[str, tuple[int, ...]]) -> Optional[base.Claim]:
     """From shapes alone: a kernel of rank >= 3 whose trailing axes a bias repeats."""

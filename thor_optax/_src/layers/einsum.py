@@ -159,6 +159,11 @@ class Einsum(dense.Dense):
                        cotangents=g.reshape(g.shape[:1] + keep + (-1,)),
                        kernel_perm=kernel_perm, in_axes=in_axes, bias_perm=bias_perm)
 
+  def output_positions(self, meta, out_ndim):
+    """The output axes of the equation's positions ``P`` after the example axis."""
+    del out_ndim
+    return tuple(meta["y_perm"][1:len(meta["x_perm"]) - meta["in_axes"]])
+
   def hint(self, stats: EinsumStats) -> tuple:
     return (stats.kernel_perm, stats.in_axes, stats.bias_perm)
 

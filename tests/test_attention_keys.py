@@ -1,0 +1,237 @@
+"""Attention written by hand: the key projection is found from the traced model
+(``attention_keys.py``) and expanded under ``weight_sharing='auto'``.
+
+The analysis says a layer is a key when shifting its output by a vector constant over its
+positions cannot change the model's output. Each case checks that claim against numbers: the
+layer's output cotangents summed over each example's positions (what K-FAC-reduce builds ``G``
+from) vanish for the layers found, and not for the others. Float64.
+"""
+
+import flax.linen as nn
+from flax import nnx
+from flax.linen.attention import dot_product_attention_weights
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import thor_optax.flax
+import thor_optax.nnx
+from thor_optax._src import attention_keys
+
+import reference
+from reference import float64_mode, randn, softmax_ce  # pylint: disable=unused-import
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+N, T, D, H = 3, 5, 8, 2
+MASK = np.random.default_rng(0).random((N, T)) > 0.3
+MASK[:, 0] = True  # every example keeps a key
+
+
+def _heads(t):
+  return t.reshape(t.shape[:2] + (H, D // H))
+
+
+def _mix(w, v):
+  return jnp.einsum("nhqk,nkhd->nqhd", w, _heads(v)).reshape(v.shape)
+
+
+def _logits(q, k):
+  return jnp.einsum("nqhd,nkhd->nhqk", _heads(q), _heads(k)) / np.sqrt(D // H)
+
+
+def _rope(k):
+  angle = np.arange(T)[:, None] * np.arange(1, D + 1)[None] * 0.3
+  return k * np.cos(angle) + jnp.roll(k, 1, -1) * np.sin(angle)
+
+
+def _normalized(k):
+  return (k - k.mean(-1, keepdims=True)) / jnp.sqrt(k.var(-1, keepdims=True) + 1e-6)
+
+
+# Each style: attention of projections (q, k, v) -> (N, T, D), and which of them is a key.
+STYLES = {
+    "flax_weights": (lambda q, k, v: _mix(dot_product_attention_weights(
+        _heads(q), _heads(k), mask=MASK[:, None, None, :]), v), {"k"}),
+    "jax_nn_xla": (lambda q, k, v: jax.nn.dot_product_attention(
+        _heads(q), _heads(k), _heads(v), mask=MASK[:, None, None, :],
+        implementation="xla").reshape(q.shape), {"k"}),
+    "log_softmax": (lambda q, k, v: _mix(jnp.exp(jax.nn.log_softmax(_logits(q, k))), v), {"k"}),
+    "finfo_min_bias": (lambda q, k, v: _mix(jax.nn.softmax(_logits(q, k) + jax.lax.select(
+        MASK, jnp.zeros((N, T)), jnp.full((N, T), jnp.finfo(jnp.float64).min))[
+            :, None, None, :]), v), {"k"}),
+    "bert_additive_mask": (lambda q, k, v: _mix(jax.nn.softmax(
+        _logits(q, k) + (1.0 - MASK[:, None, None, :]) * -10000.0), v), {"k"}),
+    # Not keys: the shift changes the output.
+    "rope": (lambda q, k, v: _mix(jax.nn.softmax(_logits(q, _rope(k))), v), set()),
+    "qk_norm": (lambda q, k, v: _mix(jax.nn.softmax(_logits(q, _normalized(k))), v), set()),
+    "zero_fill": (lambda q, k, v: _mix(jax.nn.softmax(jnp.where(
+        MASK[:, None, None, :], _logits(q, k), 0.0)), v), set()),
+    "sigmoid": (lambda q, k, v: _mix(jax.nn.sigmoid(_logits(q, k)), v), set()),
+}
+
+
+def _model(style, marks=None):
+  """``f(x, kernels, perts)``: three projections (a fused one for ``'fused'``), each output
+  plus its perturbation, through the style's attention, pooled over the positions."""
+  attend = STYLES[style if style != "fused" else "flax_weights"][0]
+
+  def f(x, kernels, perts):
+    if style == "fused":
+      qkv = x @ kernels["qkv"] + perts["qkv"]
+      if marks is not None:
+        qkv = marks.mark(qkv, ("qkv",), (1,))
+      q, k, v = jnp.split(qkv, 3, axis=-1)
+    else:
+      q, k, v = (x @ kernels[n] + perts[n] for n in "qkv")
+      if marks is not None:
+        q, k, v = (marks.mark(t, (n,), (1,)) for t, n in zip((q, k, v), "qkv"))
+    return jnp.tanh(attend(q, k, v)).mean(1)
+
+  return f
+
+
+@pytest.mark.parametrize("style", sorted(STYLES) + ["fused"])
+def test_keys_found_are_those_whose_summed_cotangents_vanish(style):
+  x = jnp.asarray(randn(0, (N, T, D)))
+  names = ("qkv",) if style == "fused" else tuple("qkv")
+  width = 3 * D if style == "fused" else D
+  kernels = {n: jnp.asarray(randn(1 + i, (D, width))) for i, n in enumerate(names)}
+  perts = {n: jnp.zeros((N, T, width)) for n in names}
+  marks = attention_keys.Marks()
+  closed = jax.make_jaxpr(_model(style, marks))(x, kernels, perts)
+  found = {p[0] for p in attention_keys.shift_invariant(closed.jaxpr, [True], marks)}
+  assert found == (set() if style == "fused" else STYLES[style][1])
+
+  out, vjp = jax.vjp(lambda p: _model(style)(x, kernels, p), perts)
+  cotangents = vjp(jnp.asarray(randn(9, out.shape)))[0]
+  for name in names:
+    g = np.asarray(cotangents[name])
+    summed = np.abs(g.sum(1)).max() / np.abs(g).max()
+    if name in found:  # jax.nn.dot_product_attention takes its softmax in float32
+      assert summed < (1e-6 if style == "jax_nn_xla" else 1e-12), name
+    else:
+      assert summed > 1e-3, name
+
+
+class SelfAttention(nn.Module):
+  """Self-attention written as Hugging Face's Flax models write it: ``nn.Dense`` query, key and
+  value, Flax's ``dot_product_attention_weights`` with an additive ``finfo.min`` mask bias."""
+
+  @nn.compact
+  def __call__(self, h, mask):
+    q, k, v = (nn.Dense(D, name=n)(h) for n in ("query", "key", "value"))
+    bias = jax.lax.select(mask > 0, jnp.zeros(mask.shape), jnp.full(mask.shape, -1e30))
+    w = dot_product_attention_weights(_heads(q), _heads(k), bias=bias[:, None, None, :])
+    return h + nn.Dense(D, name="out")(_mix(w, v))
+
+
+class Block(nn.Module):
+  """One attention block as a scan body: ``(carry, mask) -> (carry, None)``."""
+
+  @nn.compact
+  def __call__(self, h, mask):
+    return SelfAttention(name="attn")(h, mask), None
+
+
+class Classifier(nn.Module):
+  """Two attention blocks, unrolled or ``nn.scan`` over ``nn.remat`` (a stack), pooled to a
+  per-example loss (``'auto'``: reduce, the keys expanded)."""
+  scanned: bool = False
+
+  @nn.compact
+  def __call__(self, x, mask):
+    h = nn.Dense(D, name="embed")(x)
+    if self.scanned:
+      h, _ = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True},
+                     in_axes=nn.broadcast, length=2)(name="blocks")(h, mask)
+    else:
+      for i in range(2):
+        h = SelfAttention(name=f"attn_{i}")(h, mask)
+    return nn.Dense(4, name="head")(h.mean(1))
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+def test_auto_expands_the_key_of_attention_written_by_hand(scanned):
+  """Before: every projection was reduced, the key's ``G`` vanished (its summed cotangents are
+  zero) and the key kept the identity for ``G``. Now ``'auto'``'s statistics equal the
+  all-expand capture's for the keys and the all-reduce capture's for every other layer."""
+  x = jnp.asarray(randn(3, (N, T, 6)))
+  y = jnp.arange(N) % 4
+  mask = jnp.asarray(MASK, jnp.float64)
+  model = Classifier(scanned)
+  params = reference.init_params(model, x, mask)
+  stats = {sharing: reference.capture(model, softmax_ce, weight_sharing=sharing)(
+      params, x, y, mask=mask)[1].layers for sharing in ("auto", "expand", "reduce")}
+  keys = [("blocks", "attn", "key")] if scanned else [(f"attn_{i}", "key") for i in range(2)]
+  for path in keys:  # reduce's cotangents of the key, summed over the positions, vanish
+    assert float(jnp.abs(_at(stats["reduce"], path).cotangents).max()) < 1e-12
+  flat = {s: dict(jax.tree_util.tree_flatten_with_path(t)[0]) for s, t in stats.items()}
+  for path, got in flat["auto"].items():
+    is_key = any(getattr(k, "key", None) == "key" for k in path)
+    want = flat["expand" if is_key else "reduce"][path]
+    assert got.shape == want.shape, jax.tree_util.keystr(path)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-13,
+                               err_msg=jax.tree_util.keystr(path))
+  assert sum(any(getattr(k, "key", None) == "key" for k in path) for path in flat["auto"]) == (
+      2 * len(keys))  # inputs and cotangents of each key
+
+
+def _at(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+class NnxSelfAttention(nnx.Module):
+  """The same attention in NNX, pooled to a per-example loss."""
+
+  def __init__(self, rngs):
+    self.query, self.key, self.value = (nnx.Linear(D, D, rngs=rngs) for _ in range(3))
+    self.head = nnx.Linear(D, 4, rngs=rngs)
+
+  def __call__(self, h):
+    w = dot_product_attention_weights(_heads(self.query(h)), _heads(self.key(h)))
+    return self.head(_mix(w, self.value(h)).mean(1))
+
+
+def test_nnx_auto_expands_the_key_of_attention_written_by_hand():
+  x = jnp.asarray(randn(4, (N, T, D)))
+  (_, _), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(
+      NnxSelfAttention(nnx.Rngs(0)), x, jnp.arange(N) % 4)
+  assert stats.layers["key"].cotangents.shape == (1, N, T, D)
+  for name in ("query", "value"):
+    assert stats.layers[name].cotangents.shape == (1, N, D)
+
+
+class FlaxBlock(nn.Module):
+  """``nn.MultiHeadDotProductAttention`` with a causal mask, as a scan body."""
+
+  @nn.compact
+  def __call__(self, h, _):
+    mask = nn.make_causal_mask(jnp.ones(h.shape[:-1], jnp.int32))
+    return h + nn.MultiHeadDotProductAttention(num_heads=H, name="attn")(h, mask=mask), None
+
+
+class ScannedFlaxAttention(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    h, _ = nn.scan(FlaxBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=2)(name="blocks")(nn.Dense(D)(x), None)
+    return nn.Dense(4)(h.mean(1))
+
+
+def test_flax_attention_in_a_scan_whose_body_jax_prunes():
+  """JAX prunes a copy of this loop body, dropping a marked output there: the analysis skips
+  that mark (it has no output to start from); the keys stay expanded, the other projections
+  reduced."""
+  x = jnp.asarray(randn(5, (N, T, 6)))
+  model = ScannedFlaxAttention()
+  params = reference.init_params(model, x)
+  _, stats = jax.eval_shape(thor_optax.flax.value_and_grad_with_stats(model, softmax_ce),
+                            params, x, jnp.arange(N) % 4)
+  attn = stats.layers["blocks"]["attn"]
+  assert attn["key"].cotangents.shape == (2, 1, N, T, D)
+  assert attn["query"].cotangents.shape == (2, 1, N, D)
