@@ -547,6 +547,16 @@ def test_inject_hyperparams_without_static_args_names_them(name):
     tx.init(params)
 
 
+def test_inject_hyperparams_of_woodbury_rows_says_to_make_it_static():
+  """``woodbury_rows`` fixes the state's shapes; traced by inject_hyperparams, the error says to
+  pass it in ``static_args`` (before: only that it must be an int), with which it trains."""
+  params, _, _ = _setup()
+  with pytest.raises(ValueError, match="woodbury_rows must be .* pass it in static_args"):
+    optax.inject_hyperparams(thor_optax.skfac)(LR, woodbury_rows=8).init(params)
+  optax.inject_hyperparams(thor_optax.skfac, static_args=("woodbury_rows",))(
+      LR, woodbury_rows=8).init(params)
+
+
 def test_inject_hyperparams_of_spngd_names_its_static_args():
   """SP-NGD's adaptive refresh decides in Python which blocks a check refreshes: traced, its
   settings raise a ValueError naming the static_args, with which the update is spngd's."""

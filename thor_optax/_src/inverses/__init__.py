@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 
+from thor_optax._src import static_args
 from thor_optax._src.inverses import auto
 from thor_optax._src.inverses import base
 from thor_optax._src.inverses import cholesky
@@ -66,7 +67,8 @@ def make(name: str, woodbury_rows: Optional[int] = None,
   if woodbury_rows is not None and (not isinstance(woodbury_rows, (int, np.integer))
                                     or isinstance(woodbury_rows, bool) or woodbury_rows < 1):
     raise ValueError(f"woodbury_rows must be a positive Python int or None, got "
-                     f"{woodbury_rows!r}; it fixes array shapes of the state.")
+                     f"{woodbury_rows!r}; it fixes array shapes of the state, so it cannot be "
+                     "a traced value: " + static_args.hint())
   if woodbury_rows is not None and rows == "no":
     raise ValueError(
         f"woodbury_rows keeps factors in low-rank Woodbury form: it needs inverse_method="
