@@ -50,6 +50,14 @@ def _normalized(k):
   return (k - k.mean(-1, keepdims=True)) / jnp.sqrt(k.var(-1, keepdims=True) + 1e-6)
 
 
+@jax.custom_vjp
+def _straight_through_round(x):
+  return jnp.round(x)
+
+
+_straight_through_round.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+
+
 # Each style: attention of projections (q, k, v) -> (N, T, D), and which of them is a key.
 STYLES = {
     "flax_weights": (lambda q, k, v: _mix(dot_product_attention_weights(
@@ -69,6 +77,10 @@ STYLES = {
     "zero_fill": (lambda q, k, v: _mix(jax.nn.softmax(jnp.where(
         MASK[:, None, None, :], _logits(q, k), 0.0)), v), set()),
     "sigmoid": (lambda q, k, v: _mix(jax.nn.sigmoid(_logits(q, k)), v), set()),
+    # The key also reaches the output through a straight-through round (a custom_vjp whose
+    # primal has a zero derivative, whose cotangents pass).
+    "straight_through": (lambda q, k, v: _mix(jax.nn.softmax(_logits(q, k)), v)
+                         + 0.1 * _straight_through_round(k), set()),
 }
 
 

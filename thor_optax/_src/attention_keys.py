@@ -171,6 +171,8 @@ def _note_constant(eqn: Any, consts: dict) -> None:
 def _equation(eqn: Any, ins: list, flow: _Flow, consts: dict) -> list:
   """Each output's ``{mark name: _Tangent}`` of one equation with tangents on its inputs."""
   prim = eqn.primitive.name
+  if prim.startswith("custom_vjp"):  # its cotangents are the user's rule, not the primal's
+    return [{k: _ANY for k in set().union(*ins)} for _ in eqn.outvars]
   sub = _sub_jaxpr(eqn)
   if sub is not None and prim != "scan":
     return _call(sub, eqn, ins, flow, consts)
@@ -479,7 +481,9 @@ def _split(eqn, ts, consts):
 _RULES = {
     **{p: _identity for p in ("convert_element_type", "copy", "copy_p", "reduce_precision",
                               "sharding_constraint", "pvary", "optimization_barrier")},
-    **{p: _zero for p in ("stop_gradient", "floor", "ceil", "round", "sign", "is_finite")},
+    # Zero tangent. Not floor / round / sign: a straight-through estimator passes cotangents
+    # through them (a custom rule around the primitive).
+    "stop_gradient": _zero,
     "neg": lambda eqn, ts, consts: ts[0] if ts[0].kind == "mul" else _fresh_like(ts[0]),
     "add": _add_sub, "sub": _add_sub, "add_any": _add_sub,
     "mul": _mul_div, "div": _mul_div,
