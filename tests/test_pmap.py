@@ -262,3 +262,41 @@ def test_invalid_axis_name_options():
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   with pytest.raises(ValueError, match="axis_name='batch' and block_sharding cannot be combined"):
     thor_optax.thor(0.1, axis_name="batch", block_sharding=sharding)
+
+
+class _ConstantInput(nn.Module):
+  """A dense layer on the input, and one on a row that is the same for every example."""
+
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(dtype=F64, param_dtype=F64)
+    same = jnp.broadcast_to(jnp.linspace(0.5, 1.5, 4), (x.shape[0], 4))
+    return nn.Dense(3, **kw)(jnp.tanh(nn.Dense(6, **kw)(x))) + nn.Dense(3, **kw)(same)
+
+
+def test_one_example_per_replica_rejects_a_repeated_row_as_one_device_does():
+  """One device sees the constant layer's two identical rows and keeps its ``A`` (a rank-one
+  ``A`` says nothing of the inputs' spread); with one row per replica that rule was skipped
+  (each replica counted its own single row), ``A`` refreshed, and the update was 73% off."""
+  model = _ConstantInput()
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((REPLICAS, 1, 7)))
+  y = jnp.asarray([[0], [2]], jnp.int32)
+  params = init_params(model, x[0])
+  capture = value_and_grad_with_stats(model, softmax_ce)
+
+  def check(tx, axis):
+    def step(params, state, x, y):
+      (_, grads), stats = capture(params, x, y)
+      if axis:
+        grads = jax.lax.pmean(grads, axis)
+      return tx.update(grads, state, params, curvature_stats=stats)[0]
+    return step
+
+  tx = thor_optax.kfac(0.1, 0.03, ema_decay=None, axis_name="batch")
+  replicated = jax.tree.map(lambda a: jnp.stack([a] * REPLICAS), (params, tx.init(params)))
+  got = _pmap(check(tx, "batch"), axis_name="batch")(*replicated, x, y)
+  one = thor_optax.kfac(0.1, 0.03, ema_decay=None)
+  want = jax.jit(check(one, None))(params, one.init(params), x.reshape(REPLICAS, 7),
+                                   y.reshape(REPLICAS))
+  assert _max_difference(jax.tree.map(lambda a: a[0], got), want) < TOL
+  assert _max_difference(jax.tree.map(lambda a: a[1], got), want) < TOL

@@ -357,7 +357,7 @@ def layer_factors(spec: layer_base.LayerSpec, stats: Any, dtype: jnp.dtype, cfg:
   if spec.a is not None:
     squares, sums = moments or (None, None)
     tr_a, dim_a = blocks.block_traces(a.rows, a.scale, spec.a, squares), spec.a.dim
-    if _rows(a) > 1:
+    if num_replicas * _rows(a) > 1:  # every replica's rows: one device's batch
       mean_row = jnp.mean(a.rows, axis=-2) if sums is None else sums / _rows(a)
   else:  # a diagonal A: its values
     tr_a, dim_a = jnp.sum(a, keepdims=True), a.shape[0]
