@@ -13,7 +13,8 @@ comparison is a second compilation of the steps, which dominates the tests' time
   with every built-in layer kind (conv, dense, embedding, LayerNorm) on 2 devices, with the
   inversion distributed over the devices (``block_sharding``) and the block stacks kept
   sharded (``kronecker_state_sharding(..., 'data')``); SKFAC (Woodbury from gathered rows,
-  summed conv patches) on a 1x1 mesh;
+  summed conv patches) on a 1x1 mesh; THOR and SKFAC plain steps from the rows with kernels
+  sharded over ``'model'`` on 2x2;
 * NNX: a model whose parameters are sharded as in Flax's NNX sharding guide
   (``nnx.with_partitioning``, ``(None, 'model')`` kernels, layers called with
   ``out_sharding``), trained with ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` and
@@ -207,6 +208,52 @@ def test_linen_plain_step_from_the_rows_on_a_data_mesh():
   assert float(scale) < 1.0  # the clip bound
   np.testing.assert_allclose(float(optax.tree_utils.tree_get(got_state, "scale")), float(scale),
                              rtol=1e-12)
+
+
+def _one_hot_loss(out, y):
+  """Cross-entropy without a gather (an explicit mesh rejects one on feature-sharded logits)."""
+  return -jnp.mean(jnp.sum(jax.nn.log_softmax(out) * jax.nn.one_hot(y, out.shape[-1]), -1))
+
+
+class EvenWide(nn.Module):
+  """``Wide`` with even widths, so that every layer's outputs split over a model axis of 2."""
+
+  @nn.compact
+  def __call__(self, x, ids):
+    del ids
+    h = jnp.tanh(nn.Dense(16, **F64)(x.reshape(x.shape[0], -1)))
+    return nn.Dense(4, **F64)(nn.Dense(12, **F64)(h))
+
+
+@pytest.mark.parametrize("name", ["thor", "skfac"])
+def test_linen_plain_step_from_the_rows_with_model_sharded_kernels(name):
+  """Kernels ``(None, 'model')`` on a 2x2 mesh give the next layer feature-sharded inputs: a
+  plain step from the rows raised ``ShardingTypeError`` (the ones column of the bias input
+  sliced the sharded feature axis); the rows are now laid out as a check step lays them out,
+  and the steps equal the unsharded ones."""
+  x, ids, y = _data()
+  model = EvenWide()
+  capture = thor_linen.value_and_grad_with_stats(model, _one_hot_loss)
+  tx = getattr(thor_optax, name)(0.1, 0.03)
+
+  def steps(params, state, x, ids, y):
+    for stats_as in ("curvature_stats", "gradient_stats"):
+      (_, grads), stats = capture(params, x, y, ids=ids)
+      updates, state = tx.update(grads, state, params, **{stats_as: stats})
+      params = optax.apply_updates(params, updates)
+    return params
+
+  with jax.enable_x64(True), warnings.catch_warnings():
+    warnings.simplefilter("error")
+    params = model.init(jax.random.PRNGKey(1), x, ids)["params"]
+    want = jax.jit(steps)(params, tx.init(params), x, ids, y)
+    with jax.set_mesh(_mesh((2, 2))):
+      sharded = jax.tree.map(lambda a: jax.device_put(a, P(*(None,) * (a.ndim - 1), "model")),
+                             params)
+      got = jax.jit(steps)(sharded, tx.init(sharded), jax.device_put(x, P("data")),
+                           jax.device_put(ids, P()), jax.device_put(y, P("data")))
+  assert _max_diff(got, want) < TOL
+  assert jax.typeof(got["Dense_1"]["kernel"]).sharding.spec == P(None, "model")
 
 
 def test_linen_skfac_one_by_one_mesh():

@@ -187,6 +187,9 @@ def layers_with_rows(gradient_stats: stats_lib.CurvatureStats, layout: blocks.Bl
     stats = flat.get(spec.name)
     if stats is None or spec.name not in gradient_stats.exact_rows or not eligible(spec, cfg):
       continue
+    # Under an explicit-sharding mesh: the examples sharded as the check step has them, no
+    # feature axis sharded (a model axis's kernels give feature-sharded inputs).
+    stats = explicit.align_examples(stats, spec.kind.example_axes)
     if spec.stack:
       stats = spec.flat_stack(stats)
     one = spec.one_layer()
