@@ -230,7 +230,9 @@ def test_linen_plain_step_from_the_rows_with_model_sharded_kernels(name):
   """Kernels ``(None, 'model')`` on a 2x2 mesh give the next layer feature-sharded inputs: a
   plain step from the rows raised ``ShardingTypeError`` (the ones column of the bias input
   sliced the sharded feature axis); the rows are now laid out as a check step lays them out,
-  and the steps equal the unsharded ones."""
+  and the steps equal the unsharded ones. The state is placed as ``kronecker_state_sharding``
+  says (the momentum replicated): the step returns it so (the non-finite guard's ``cond``
+  raised on the momentum, which came back sharded like its gradient)."""
   x, ids, y = _data()
   model = EvenWide()
   capture = thor_linen.value_and_grad_with_stats(model, _one_hot_loss)
@@ -241,19 +243,25 @@ def test_linen_plain_step_from_the_rows_with_model_sharded_kernels(name):
       (_, grads), stats = capture(params, x, y, ids=ids)
       updates, state = tx.update(grads, state, params, **{stats_as: stats})
       params = optax.apply_updates(params, updates)
-    return params
+    return params, state
 
   with jax.enable_x64(True), warnings.catch_warnings():
     warnings.simplefilter("error")
     params = model.init(jax.random.PRNGKey(1), x, ids)["params"]
-    want = jax.jit(steps)(params, tx.init(params), x, ids, y)
-    with jax.set_mesh(_mesh((2, 2))):
+    want, _ = jax.jit(steps)(params, tx.init(params), x, ids, y)
+    mesh = _mesh((2, 2))
+    with jax.set_mesh(mesh):
       sharded = jax.tree.map(lambda a: jax.device_put(a, P(*(None,) * (a.ndim - 1), "model")),
                              params)
-      got = jax.jit(steps)(sharded, tx.init(sharded), jax.device_put(x, P("data")),
-                           jax.device_put(ids, P()), jax.device_put(y, P("data")))
+      state = tx.init(sharded)
+      placed = thor_optax.kronecker_state_sharding(state, mesh, "data")
+      got, state = jax.jit(steps)(sharded, jax.device_put(state, placed),
+                                  jax.device_put(x, P("data")), jax.device_put(ids, P()),
+                                  jax.device_put(y, P("data")))
   assert _max_diff(got, want) < TOL
   assert jax.typeof(got["Dense_1"]["kernel"]).sharding.spec == P(None, "model")
+  for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(placed)):
+    assert jax.typeof(leaf).sharding.spec == sharding.spec
 
 
 def test_linen_skfac_one_by_one_mesh():

@@ -94,6 +94,9 @@ def _keep_if(accept: jax.Array, new: Any, old: Any) -> Any:
       # The step changed a leaf's dtype (bfloat16 momentum given a float32 rate or momentum
       # promotes to float32): the kept leaf takes the new dtype, as without the guard.
       old_leaves[i] = o = jnp.asarray(o).astype(jnp.result_type(n))
+    # Under an explicit-sharding mesh each leaf keeps the sharding it was given (momentum
+    # placed replicated comes back from the step sharded like its gradient).
+    leaves[i] = new_leaves[i] = n = explicit.reshard_like(n, o)
     if jnp.size(n) >= _OWN_REDUCTION:
       leaves[i] = jax.lax.select(accept, n, o)
     else:

@@ -84,7 +84,9 @@ def kronecker_state_sharding(opt_state: Any, mesh: Mesh, block_axis: Optional[st
 
   Under an explicit-sharding mesh (``AxisType.Explicit``), ``jax.device_put`` the state with
   these shardings: ``update`` returns every leaf with the sharding it was given (a state whose
-  block stacks are sharded is gathered for the step and sharded again).
+  block stacks are sharded is gathered for the step and sharded again; the aliases' non-finite
+  guard lays out the other leaves, such as a momentum replicated here for parameters sharded
+  without a box, which the momentum's own update would shard like its gradient).
 
   Returns:
     a pytree of ``jax.sharding.NamedSharding`` with the structure of ``opt_state`` (boxes
