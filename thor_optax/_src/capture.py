@@ -1200,7 +1200,8 @@ def value_and_grad_with_stats(
       every position (a language model). ``None`` (default) reads it from the output's leading
       axes, which needs the model to return one array of rank >= 2 (``(N, K)`` -> ``N``,
       ``(N, T, K)`` -> ``N * T``); a model returning a tuple, dict or dataclass, or a rank-1
-      array (``Dense(1)(x)[..., 0]``), must state it.
+      array (``Dense(1)(x)[..., 0]``), must state it. Under ``jax.pmap`` the count is the
+      replica's own (its shard's ``N``), not the global batch's.
     weight_sharing: how a dense layer applied at every position of a sequence (its weights
       shared over the positions) folds them into its factors (Eschenhagen et al., NeurIPS
       2023): ``'expand'`` (every position a row, ``A = (1/M) sum_{n,t} a a^T`` for ``M`` loss
