@@ -6,7 +6,8 @@ Each definition follows the style of a well-known public source (not its code): 
 ``lm1b`` / ``wmt`` decoder (``nn.scan`` over an ``nn.remat``-ed block with ``variable_axes=
 {'params': 0}``, pre-LayerNorm, ``MlpBlock``), ``nn.RNN(nn.LSTMCell)`` classifiers, HuggingFace
 Flax models (a tied LM head applied with ``.apply({'params': {'kernel': embedding.T}})``, outputs
-as tuples, dicts and ``flax.struct.dataclass`` output classes), BiT / ViT-hybrid weight-
+as tuples, dicts and ``flax.struct.dataclass`` output classes, a BERT classifier whose attention
+is written by hand), BiT / ViT-hybrid weight-
 standardized convolutions (``class StdConv(nn.Conv)`` overriding ``param``), ``nn.remat``-ed
 layers, and the Flax NNX "scan over layers" pattern (``nnx.vmap`` to create a stack of layers,
 ``nnx.scan`` to run it, ``nnx.remat`` around a layer).
@@ -369,6 +370,41 @@ class RematMLP(nn.Module):
     return dense(self.num_classes, name="head")(x)
 
 
+# ------------------------------------------------- (12) BERT-style classifier, attention by hand
+
+
+class BertStyleClassifier(nn.Module):
+  """A Hugging Face Flax BERT written small: word embeddings and a LayerNorm, one encoder layer
+  whose self-attention is written by hand (``nn.Dense`` query, key and value, Flax's
+  ``dot_product_attention_weights`` with the padding mask as an additive ``finfo.min`` bias),
+  post-LayerNorm residuals, a GELU MLP, the first token pooled by a tanh ``Dense``, a
+  classifier. Its input is one dict, ``{'input_ids', 'attention_mask'}``."""
+
+  vocab: int = 16
+  width: int = 16
+  heads: int = 2
+  num_classes: int = 3
+
+  @nn.compact
+  def __call__(self, batch):
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    h = nn.LayerNorm(name="embeddings_ln")(nn.Embed(self.vocab, self.width,
+                                                    name="word_embeddings")(ids))
+    heads = lambda t: t.reshape(t.shape[:2] + (self.heads, -1))  # pylint: disable=unnecessary-lambda-assignment
+    q, k, v = (heads(nn.Dense(self.width, name=n)(h)) for n in ("query", "key", "value"))
+    shape = mask[:, None, None, :].shape
+    bias = jax.lax.select(mask[:, None, None, :] > 0, jnp.zeros(shape, h.dtype),
+                          jnp.full(shape, jnp.finfo(h.dtype).min, h.dtype))
+    weights = nn.attention.dot_product_attention_weights(q, k, bias=bias)
+    context = jnp.einsum("...hqk,...khd->...qhd", weights, v).reshape(h.shape)
+    h = nn.LayerNorm(name="attention_ln")(h + nn.Dense(self.width, name="attention_out")(context))
+    mlp = nn.Dense(self.width, name="output")(
+        nn.gelu(nn.Dense(2 * self.width, name="intermediate")(h)))
+    h = nn.LayerNorm(name="output_ln")(h + mlp)
+    pooled = jnp.tanh(nn.Dense(self.width, name="pooler")(h[:, 0]))
+    return nn.Dense(self.num_classes, name="classifier")(pooled)
+
+
 # ------------------------------------------------------------ (11) NNX: nnx.scan / nnx.remat
 
 
@@ -451,6 +487,17 @@ def regression_batch(seed: int, n: int, d: int):
   return jnp.asarray(x), jnp.asarray(y)
 
 
+def bert_batch(seed: int, n: int, t: int, vocab: int, num_classes: int):
+  """``({'input_ids', 'attention_mask'}, labels)``: sequences padded at the end (every one keeps
+  its first two tokens), labels from the unpadded tokens."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, vocab, (n, t))
+  mask = (np.arange(t)[None] < rng.integers(2, t + 1, (n, 1))).astype(np.int32)
+  labels = (ids * mask).sum(1) % num_classes
+  return ({"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)},
+          jnp.asarray(labels))
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
   """A linen model with its batch, loss and expected capture.
@@ -515,6 +562,11 @@ LINEN_MODELS: dict[str, Case] = {c.name: c for c in [
          frozenset({"dense_0", "dense_1", "out"}), {}, dict(num_loss_terms=16)),
     Case("remat", RematMLP(), lambda: classification_batch(10, (16, 6), 4), softmax_ce,
          frozenset({"dense_0", "dense_1", "head"}), {}),
+    Case("bert_classifier", BertStyleClassifier(), lambda: bert_batch(11, 8, 6, 16, 3),
+         softmax_ce,
+         frozenset({"word_embeddings", "embeddings_ln", "query", "key", "value",
+                    "attention_out", "attention_ln", "intermediate", "output", "output_ln",
+                    "pooler", "classifier"}), {}),
 ]}
 
 

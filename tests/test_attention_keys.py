@@ -19,6 +19,7 @@ import thor_optax.flax
 import thor_optax.nnx
 from thor_optax._src import attention_keys
 
+import public_models
 import reference
 from reference import float64_mode, randn, softmax_ce  # pylint: disable=unused-import
 
@@ -247,3 +248,18 @@ def test_flax_attention_in_a_scan_whose_body_jax_prunes():
   attn = stats.layers["blocks"]["attn"]
   assert attn["key"].cotangents.shape == (2, 1, N, T, D)
   assert attn["query"].cotangents.shape == (2, 1, N, D)
+
+
+def test_bert_style_public_model_expands_its_key_only():
+  """The public-style BERT classifier (``public_models.py``): its hand-written attention's key
+  is expanded, every other sequence layer reduced (a per-example loss)."""
+  case = public_models.LINEN_MODELS["bert_classifier"]
+  batch, labels = case.make_batch()
+  n, t = batch["input_ids"].shape
+  params = jax.eval_shape(lambda: case.model.init(jax.random.key(0), batch))["params"]
+  _, stats = jax.eval_shape(thor_optax.flax.value_and_grad_with_stats(case.model, case.loss_fn),
+                            params, batch, labels)
+  assert stats.layers["key"].cotangents.shape == (1, n, t, 16)
+  for name in ("query", "value", "attention_out", "intermediate", "output"):
+    assert stats.layers[name].cotangents.shape[:2] == (1, n), name
+    assert stats.layers[name].cotangents.ndim == 3, name  # (S, N, d): positions reduced
