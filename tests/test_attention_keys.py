@@ -209,13 +209,51 @@ class NnxSelfAttention(nnx.Module):
     return self.head(_mix(w, self.value(h)).mean(1))
 
 
+class NnxBlock(nnx.Module):
+  """A residual attention block with the attention of :class:`NnxSelfAttention`."""
+
+  def __init__(self, rngs):
+    self.query, self.key, self.value = (nnx.Linear(D, D, rngs=rngs) for _ in range(3))
+
+  def __call__(self, h):
+    return h + _mix(dot_product_attention_weights(_heads(self.query(h)), _heads(self.key(h))),
+                    self.value(h))
+
+
+class NnxScanned(nnx.Module):
+  """Two :class:`NnxBlock` made by ``nnx.vmap`` and run by ``nnx.scan`` straight on the input
+  (no layer before the loop), pooled to a per-example loss."""
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return NnxBlock(rngs)
+
+    self.blocks, self.head = make(rngs), nnx.Linear(D, 4, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def forward(h, block):
+      return block(h)
+
+    return self.head(forward(x, self.blocks).mean(1))
+
+
 def test_nnx_auto_expands_the_key_of_attention_written_by_hand():
+  """Also in an ``nnx.scan`` stack whose loop receives no tangent from outside (the marks
+  inside its body were not seen, and the keys were reduced)."""
   x = jnp.asarray(randn(4, (N, T, D)))
   (_, _), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(
       NnxSelfAttention(nnx.Rngs(0)), x, jnp.arange(N) % 4)
   assert stats.layers["key"].cotangents.shape == (1, N, T, D)
   for name in ("query", "value"):
     assert stats.layers[name].cotangents.shape == (1, N, D)
+  (_, _), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(
+      NnxScanned(nnx.Rngs(0)), x, jnp.arange(N) % 4)
+  assert stats.layers["blocks"]["key"].cotangents.shape == (2, 1, N, T, D)
+  for name in ("query", "value"):
+    assert stats.layers["blocks"][name].cotangents.shape == (2, 1, N, D)
 
 
 class FlaxBlock(nn.Module):

@@ -136,7 +136,7 @@ def _run(jaxpr: Any, env: dict, flow: _Flow, consts: Optional[dict] = None) -> N
     ins = [{k: t for k, t in _get(env, v).items() if k not in flow.anything}
            for v in eqn.invars]
     _note_constant(eqn, consts)
-    if not any(ins):
+    if not any(ins) and not _holds_jaxpr(eqn):  # (a mark may be inside one: a loop's body)
       continue
     outs = _equation(eqn, ins, flow, consts)
     for var, tangents in zip(eqn.outvars, outs):
@@ -189,6 +189,10 @@ def _equation(eqn: Any, ins: list, flow: _Flow, consts: dict) -> list:
       if r is not None:
         out[name] = r
   return outs
+
+
+def _holds_jaxpr(eqn: Any) -> bool:
+  return eqn.primitive.name in ("scan", "cond") or _sub_jaxpr(eqn) is not None
 
 
 def _sub_jaxpr(eqn: Any) -> Any:
