@@ -7,10 +7,11 @@ positions) leaves the loss unchanged when a vector ``c`` ``(N, F...)`` is added 
 position: its output cotangents sum to zero over the positions of each example, exactly.
 K-FAC-reduce's ``G`` is formed from those sums, so it vanishes and the key would keep the
 identity for ``G``; ``weight_sharing='auto'`` expands such a layer instead
-(``capture.layer_weight_sharing``). Flax's own ``nn.MultiHeadDotProductAttention`` and
-``nnx.MultiHeadAttention`` are recognized by name; this module finds the keys of attention
-written by hand (Hugging Face's Flax models, forks of Flax's attention) from the discovery
-pass's jaxpr.
+(``capture.layer_weight_sharing``). This module finds the keys from the discovery pass's
+jaxpr, for Flax's ``nn.MultiHeadDotProductAttention`` / ``nnx.MultiHeadAttention`` and
+attention written by hand (Hugging Face's Flax models, forks of Flax's attention) alike; a key
+by name is not one when its logits change with the shift (``normalize_qk=True``, a rotary
+``attention_fn``, a sigmoid in place of the softmax).
 
 How: the discovery pass routes each candidate layer's output through an identity ``jax.jit``
 named for it (:class:`Marks`). :func:`shift_invariant` then pushes the tangent of that shift
@@ -23,7 +24,10 @@ two ``y * c`` with the same ``c`` has tangent zero. A layer is a key when its ta
 model output. Everything not understood makes the tangent "anything", so a layer is never
 taken for a key wrongly; one masking rule is approximate: ``where(mask, logits, fill)`` with a
 constant ``fill <= -1e4`` (Flax's ``finfo.min``) keeps the shift, as the filled entries get
-zero weight in the softmax that follows.
+zero weight in the softmax that follows (filled logits used otherwise, ``z - max(z)`` as an
+output, would be taken for shift invariant). Derivatives are the primal's, so a
+``custom_jvp`` / ``custom_vjp`` (a straight-through estimator) counts as "anything", except
+JAX's own softmax.
 
 Source: this project; the invariance is why K-FAC-reduce's key factor vanishes (Eschenhagen et
 al., "Kronecker-Factored Approximate Curvature for Modern Neural Network Architectures",
@@ -37,6 +41,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 from jax.extend import core as jax_core
+import jax.numpy as jnp
 import numpy as np
 
 _PREFIX = "thor_optax_shift_probe_"
@@ -129,7 +134,10 @@ def _run(jaxpr: Any, env: dict, flow: _Flow, consts: Optional[dict] = None) -> N
       flow.seen.add(name)
       shape = eqn.outvars[0].aval.shape
       pos = flow.marks.positions[name]
-      env[eqn.outvars[0]] = {**_get(env, eqn.invars[0]), name: _Tangent(
+      incoming = _get(env, eqn.invars[0])
+      if name in incoming:  # the layer's input already moves with its own shift (used twice)
+        flow.anything.add(name)
+      env[eqn.outvars[0]] = {**incoming, name: _Tangent(
           "add", -1 - int(name[len(_PREFIX):]),
           tuple(None if (i in pos or shape[i] == 1) else ("src", i) for i in range(len(shape))))}
       continue
@@ -153,8 +161,8 @@ def _get(env: dict, var: Any) -> dict:
 
 
 def _is_float(var: Any) -> bool:
-  return np.issubdtype(np.dtype(var.aval.dtype), np.inexact) if hasattr(
-      var.aval, "dtype") else False
+  """Whether ``var`` holds floating-point values (``bfloat16`` and ``float8`` included)."""
+  return hasattr(var.aval, "dtype") and jnp.issubdtype(var.aval.dtype, jnp.inexact)
 
 
 def _note_constant(eqn: Any, consts: dict) -> None:
@@ -171,7 +179,8 @@ def _note_constant(eqn: Any, consts: dict) -> None:
 def _equation(eqn: Any, ins: list, flow: _Flow, consts: dict) -> list:
   """Each output's ``{mark name: _Tangent}`` of one equation with tangents on its inputs."""
   prim = eqn.primitive.name
-  if prim.startswith("custom_vjp"):  # its cotangents are the user's rule, not the primal's
+  if prim.startswith("custom_vjp") or (prim == "custom_jvp_call" and not _jax_softmax(eqn)):
+    # Its derivative is the user's rule, not the primal's (a straight-through estimator).
     return [{k: _ANY for k in set().union(*ins)} for _ in eqn.outvars]
   sub = _sub_jaxpr(eqn)
   if sub is not None and prim != "scan":
@@ -189,6 +198,16 @@ def _equation(eqn: Any, ins: list, flow: _Flow, consts: dict) -> list:
       if r is not None:
         out[name] = r
   return outs
+
+
+def _jax_softmax(eqn: Any) -> bool:
+  """Whether a ``custom_jvp_call`` is JAX's own ``softmax`` / ``log_softmax`` (a custom rule
+  in some JAX releases), whose rule is the primal's derivative."""
+  j = eqn.params.get("call_jaxpr")
+  info = str(getattr(getattr(_open(j), "debug_info", None), "func_src_info", "") or "")
+  name, _, where = info.partition(" at ")
+  return name.lstrip("_") in ("softmax", "log_softmax") and "jax/_src/nn/" in where.replace(
+      "\\", "/")
 
 
 def _holds_jaxpr(eqn: Any) -> bool:
@@ -228,16 +247,19 @@ def _scan(eqn: Any, ins: list, flow: _Flow) -> list:
   n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
   carry = ins[n_consts:n_consts + n_carry]
   xs = [{k: _drop_leading(t) for k, t in x.items()} for x in ins[n_consts + n_carry:]]
+  ys = None
   for attempt in range(3):
     env = {v: t for v, t in zip(body.invars, ins[:n_consts] + carry + xs) if t}
     _run(body, env, flow)
     out = [_get(env, v) for v in body.outvars]
+    # Every pass's ys: the first iteration's (zero carries) are outputs too.
+    ys = out[n_carry:] if ys is None else [_join(a, b) for a, b in zip(ys, out[n_carry:])]
     joined = [_join(a, b) for a, b in zip(carry, out[:n_carry])]
     if joined == carry:
       break
     carry = joined if attempt < 1 else [{k: _ANY for k in c} for c in joined]
   ys = [{k: _ANY if t.kind == "any" else _Tangent(t.kind, next(_fresh), (
-      ("ys", 0),) + t.labels) for k, t in y.items()} for y in out[n_carry:]]
+      ("ys", 0),) + t.labels) for k, t in y.items()} for y in ys]
   return carry + ys
 
 
@@ -253,16 +275,21 @@ def _cond(eqn: Any, ins: list, flow: _Flow) -> list:
 
 
 def _drop_leading(t: _Tangent) -> _Tangent:
-  return t if t.kind == "any" else _Tangent(t.kind, t.coef, t.labels[1:])
+  """One iteration's slice of ``xs``: the same ``c`` where ``c`` is constant along the scanned
+  axis, else a new one (each iteration's differs)."""
+  if t.kind == "any":
+    return t
+  sliced = t._replace(labels=t.labels[1:])
+  return sliced if t.labels[0] is None else _fresh_like(sliced)
 
 
 def _join(a: dict, b: dict) -> dict:
-  out = dict(a)
-  for k, t in b.items():
-    if k in out and not out[k].same(t):
-      out[k] = _ANY
-    elif k not in out:
-      out[k] = t
+  """Tangents that may be either ``a``'s or ``b``'s (two branches, two iterations): kept where
+  they are the same, else "anything" (zero on one side and not on the other included)."""
+  out = {}
+  for k in set(a) | set(b):
+    ta, tb = a.get(k), b.get(k)
+    out[k] = ta if ta is not None and tb is not None and ta.same(tb) else _ANY
   return out
 
 
@@ -353,11 +380,13 @@ def _log(eqn, ts, consts):
 
 
 def _max_min(eqn, ts, consts):
-  """``max(-inf, x)`` (``jax.nn.softmax``'s guard) is ``x``; other maxima are not linear."""
+  """``max(-inf, x)`` (``jax.nn.softmax``'s guard) is ``x``, ``max(inf, x)`` a constant (and
+  the reverse for ``min``); other maxima are not linear."""
   del consts
   for t, other in ((ts[0], eqn.invars[1]), (ts[1], eqn.invars[0])):
     if t is not None and isinstance(other, jax_core.Literal) and np.isinf(other.val):
-      return t
+      keeps = (other.val < 0) == (eqn.primitive.name == "max")
+      return t if keeps else None
   return _ANY
 
 
@@ -409,13 +438,16 @@ def _reshape(eqn, ts, consts):
         j += 1
       else:
         return _ANY
-    group = tuple(t.labels[k] for k in gi if k < len(old) and t.labels[k] is not None)
-    wide = [k for k in gj if k < len(new) and new[k] > 1]
+    olds = [k for k in gi if k < len(old)]
+    labelled = [k for k in olds if t.labels[k] is not None]
+    whole = (len(labelled) == 1 and all(old[k] == 1 for k in olds if k != labelled[0])
+             and len([k for k in gj if k < len(new) and new[k] > 1]) == 1)
+    described = tuple((t.labels[k], old[k]) for k in olds)
     for k in (k for k in gj if k < len(new)):
-      if new[k] == 1 or not group:
+      if new[k] == 1 or not labelled:
         labels.append(None)
-      else:  # one labelled axis kept whole keeps its label
-        labels.append(group[0] if len(group) == 1 and len(wide) == 1 else (group, k - gj[0]))
+      else:  # one labelled axis kept whole keeps its label; else the group's layout names it
+        labels.append(t.labels[labelled[0]] if whole else (described, k - gj[0]))
   return t._replace(labels=tuple(labels))
 
 
@@ -484,7 +516,8 @@ def _split(eqn, ts, consts):
 
 _RULES = {
     **{p: _identity for p in ("convert_element_type", "copy", "copy_p", "reduce_precision",
-                              "sharding_constraint", "pvary", "optimization_barrier")},
+                              "sharding_constraint", "pvary", "name")},
+    "optimization_barrier": lambda eqn, ts, consts: list(ts),
     # Zero tangent. Not floor / round / sign: a straight-through estimator passes cotangents
     # through them (a custom rule around the primitive).
     "stop_gradient": _zero,

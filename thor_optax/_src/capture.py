@@ -318,9 +318,9 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
       (given to a module applied with ``.apply()``): listed, not captured.
     weight_sharing: the capture's option (``step_sharing.plan``: ``'expand'`` lists a layer
       shared over a loop's iterations).
-    attention_keys: paths of the key projections of attention (Flax's modules',
-      :func:`is_attention_key`, and those ``attention_keys.shift_invariant`` finds), which
-      ``'auto'`` expands (:func:`layer_weight_sharing`).
+    attention_keys: paths of the key projections of attention, found from the traced model
+      (``attention_keys.shift_invariant``), which ``'auto'`` expands
+      (:func:`layer_weight_sharing`).
 
   Returns:
     ``(captured, unhandled)``: ``captured[path] = dict(kind=, meta=, out=, input_shape=,
@@ -384,12 +384,6 @@ def layer_weight_sharing(weight_sharing: str, attention_key: bool) -> str:
   its damping), a step ``1 / sqrt(lambda)`` times smaller than its neighbours'. Expand keeps
   the rows; the key's gradient is ``a^T g`` of them (Eschenhagen et al., NeurIPS 2023)."""
   return "expand" if weight_sharing == "auto" and attention_key else weight_sharing
-
-
-def is_attention_key(mod: nn.Module) -> bool:
-  """Whether a bound linen module is the ``key`` projection of an
-  ``nn.MultiHeadDotProductAttention`` (``nn.SelfAttention``)."""
-  return mod.name == "key" and isinstance(mod.parent, nn.MultiHeadDotProductAttention)
 
 
 def shared_uses(kind: layer_base.LayerKind, plan: layer_base.Plan, seen: Sequence[Call],
@@ -821,8 +815,9 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
   count); ``{site: module class}`` of layers applied with ``.apply()`` inside the model; and
   ``{module path: reason}`` of layers run inside ``nn.map_variables`` (``nn.WeightNorm``,
   ``nn.SpectralNorm``), whose applied weight is a function of their parameter: listed; and
-  the paths of attention key projections: Flax's (:func:`is_attention_key`) and those of
-  attention written by hand, found from the pass's jaxpr (``attention_keys.shift_invariant``).
+  the paths of attention key projections, found from the pass's jaxpr
+  (``attention_keys.shift_invariant``: Flax's attention modules and attention written by
+  hand alike).
   """
   calls: dict[tuple[str, ...], list] = {}
   foreign: dict[str, str] = {}
@@ -851,9 +846,7 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     if why:
       transformed[tuple(mod.path)] = why
       return out
-    if is_attention_key(mod):
-      keys.add(tuple(mod.path))
-    elif method == "__call__":
+    if method == "__call__":
       plan = kind.plan(mod, (method,), jnp.shape(primary_input(args, kwargs)))
       if plan.meta is not None:
         out = marks.mark(out, tuple(mod.path), kind.output_positions(plan.meta, jnp.ndim(out)))
@@ -1210,11 +1203,10 @@ def value_and_grad_with_stats(
       cheaper; exact when positions are pooled before a per-example loss, a classifying
       ViT), or ``'auto'`` (default): expand when the loss has more terms than examples, else
       reduce, except for the key projections of attention, always expanded (their
-      cotangents sum to zero over the positions: reduce's ``G`` would vanish): Flax's
-      attention modules' by name, those of attention written by hand found from the traced
-      model (``attention_keys.py``). Dense
-      and ``DenseGeneral`` layers; embeddings always expand, convolutions follow the
-      transforms' ``conv_statistics``. A layer whose weights a lifted loop applies
+      cotangents sum to zero over the positions: reduce's ``G`` would vanish), found from
+      the traced model, Flax's attention modules and attention written by hand alike
+      (``attention_keys.py``). Dense and ``DenseGeneral`` layers; embeddings always expand,
+      convolutions follow the transforms' ``conv_statistics``. A layer whose weights a lifted loop applies
       at every iteration (a recurrent cell) is always folded with reduce over the iterations,
       whose rows do not leave the loop; ``'expand'`` lists it with that reason.
 

@@ -270,13 +270,6 @@ def _module_reasons(model: nnx.Module, params: nnx.State) -> dict[tuple[Any, ...
       reasons, [p for p, m in modules.items() if isinstance(m, nnx_bridge.ToNNX)], "linen")
 
 
-def _attention_keys(model: nnx.Module) -> frozenset:
-  """Paths of the ``key`` projections of the model's ``nnx.MultiHeadAttention`` modules
-  (``capture.layer_weight_sharing``: ``'auto'`` expands them)."""
-  return frozenset(tuple(path) + ("key",) for path, node in nnx.iter_graph(model)
-                   if isinstance(node, nnx.MultiHeadAttention))
-
-
 def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
               call_kwargs: _CallKwargs) -> tuple[dict, dict, dict, frozenset]:
   """Calls, shapes and metadata of every registered layer (a traced pass, no FLOPs).
@@ -615,7 +608,7 @@ def value_and_grad_with_stats(
     captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params),
                                                  shared=outside,
                                                  weight_sharing=options.weight_sharing,
-                                                 attention_keys=_attention_keys(model) | keys)
+                                                 attention_keys=keys)
     forward = functools.partial(_forward, graphdef, rest, inputs, call_kwargs, captured, dtypes)
     loss, grads, stats, (new_rest, new_nodes) = capture_lib.vjp_with_stats(
         forward, params, captured, unhandled, loss_fn, targets, rng, options)
