@@ -179,14 +179,10 @@ class Wide(nn.Module):
     return nn.Dense(3, **F64)(nn.Dense(12, **F64)(h))
 
 
-def test_linen_plain_step_from_the_rows_on_a_data_mesh():
-  """``gradient_stats=`` with rows sharded over ``data``: the KL clip's ``R x R`` inner products
-  of the rows (a ``ShardingTypeError`` before) come out replicated, and the steps equal the
-  unsharded ones."""
-  x, ids, y = _data()
-  model = Wide()
-  capture = thor_linen.value_and_grad_with_stats(model, _loss)
-  tx = thor_optax.thor(0.1, 0.03, block_size=4, max_kl=1e-6)  # a clip that binds
+def _check_then_rows(model, loss, tx):
+  """``steps(params, state, x, ids, y) -> (params, state)``: a check step, then a plain step
+  from the rows (``gradient_stats=``)."""
+  capture = thor_linen.value_and_grad_with_stats(model, loss)
 
   def steps(params, state, x, ids, y):
     for stats_as in ("curvature_stats", "gradient_stats"):
@@ -195,6 +191,17 @@ def test_linen_plain_step_from_the_rows_on_a_data_mesh():
       params = optax.apply_updates(params, updates)
     return params, state
 
+  return steps
+
+
+def test_linen_plain_step_from_the_rows_on_a_data_mesh():
+  """``gradient_stats=`` with rows sharded over ``data``: the KL clip's ``R x R`` inner products
+  of the rows (a ``ShardingTypeError`` before) come out replicated, and the steps equal the
+  unsharded ones."""
+  x, ids, y = _data()
+  model = Wide()
+  tx = thor_optax.thor(0.1, 0.03, block_size=4, max_kl=1e-6)  # a clip that binds
+  steps = _check_then_rows(model, _loss, tx)
   with jax.enable_x64(True), warnings.catch_warnings():
     warnings.simplefilter("error")
     params = model.init(jax.random.PRNGKey(1), x, ids)["params"]
@@ -235,16 +242,8 @@ def test_linen_plain_step_from_the_rows_with_model_sharded_kernels(name):
   raised on the momentum, which came back sharded like its gradient)."""
   x, ids, y = _data()
   model = EvenWide()
-  capture = thor_linen.value_and_grad_with_stats(model, _one_hot_loss)
   tx = getattr(thor_optax, name)(0.1, 0.03)
-
-  def steps(params, state, x, ids, y):
-    for stats_as in ("curvature_stats", "gradient_stats"):
-      (_, grads), stats = capture(params, x, y, ids=ids)
-      updates, state = tx.update(grads, state, params, **{stats_as: stats})
-      params = optax.apply_updates(params, updates)
-    return params, state
-
+  steps = _check_then_rows(model, _one_hot_loss, tx)
   with jax.enable_x64(True), warnings.catch_warnings():
     warnings.simplefilter("error")
     params = model.init(jax.random.PRNGKey(1), x, ids)["params"]
