@@ -397,3 +397,61 @@ def test_flax_attention_with_normalized_keys_reduces_its_key():
   key = stats["auto"].layers["attn"]["key"]
   assert key.cotangents.shape == (1, N, D)  # reduced
   assert float(jnp.abs(stats["reduce"].layers["attn"]["key"].cotangents).max()) > 1e-3
+
+
+class SharedKey(nn.Module):
+  """The key projection also applied to the pooled sequence: that use has no positions, and
+  its shift (the same ``c``) reaches the output."""
+
+  @nn.compact
+  def __call__(self, x):
+    key = nn.Dense(D, name="key")
+    q, v = nn.Dense(D, name="query")(x), nn.Dense(D, name="value")(x)
+    return nn.Dense(4, name="head")(_attend(q, key(x), v).mean(1) + key(x.mean(1)))
+
+
+class GridKey(nn.Module):
+  """One projection applied to a grid ``(N, A, B, D)`` used as keys, then to ``(N, T, D)``
+  under a softmax over its features: the second call's axes are not the first's."""
+
+  @nn.compact
+  def __call__(self, x):
+    proj = nn.Dense(D, name="proj")
+    grid = x[:, :4, :].reshape(N, 2, 2, D)
+    q, v = nn.Dense(D, name="query")(x[:, :4]), nn.Dense(D, name="value")(x[:, :4])
+    attended = _attend(q, proj(grid).reshape(N, 4, D), v)
+    return nn.Dense(4, name="head")(attended.mean(1) + jax.nn.log_softmax(proj(x)).mean(1))
+
+
+class Member(nn.Module):
+  """An ensemble member with a softmax over the examples of the batch."""
+
+  @nn.compact
+  def __call__(self, h):
+    return h + jax.nn.softmax(nn.Dense(D, name="gate")(h), axis=0) * nn.Dense(D, name="value")(h)
+
+
+class Ensemble(nn.Module):
+  """``nn.vmap`` over two members: the jaxpr's outputs of their layers have the ensemble axis
+  in front, so the members' positions are one axis later than in the call."""
+
+  @nn.compact
+  def __call__(self, x):
+    out = nn.vmap(Member, variable_axes={"params": 0}, split_rngs={"params": True},
+                  in_axes=None, out_axes=0, axis_size=2)(name="ens")(x)
+    return nn.Dense(4, name="head")(out.mean((0, 2)))
+
+
+@pytest.mark.parametrize("model,path", [(SharedKey(), ("key",)), (GridKey(), ("proj",)),
+                                        (Ensemble(), ("ens", "gate"))])
+def test_layers_whose_summed_cotangents_do_not_vanish_are_reduced(model, path):
+  """Three layers taken for keys before: a shared layer with a use without positions (only
+  the others were shifted), a shared layer whose calls have different ranks (the first call's
+  positions were used for both), and a layer under ``nn.vmap`` (shifted along the examples)."""
+  x = jnp.asarray(randn(7, (N, T, D)))
+  y = jnp.arange(N) % 4
+  params = reference.init_params(model, x)
+  auto, reduce = (reference.capture(model, softmax_ce, weight_sharing=s)(params, x, y)[1]
+                  for s in ("auto", "reduce"))
+  assert _at(auto.layers, path).cotangents.shape == _at(reduce.layers, path).cotangents.shape
+  assert float(jnp.abs(_at(reduce.layers, path).cotangents).max()) > 1e-3

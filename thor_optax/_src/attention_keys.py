@@ -20,8 +20,11 @@ forward through the jaxpr (and its sub-jaxprs: ``jit``, ``remat``, ``custom_jvp`
 ``c`` (additive: constant along some axes), ``y * c`` (multiplicative, after ``exp``), or
 anything. The expanded softmax ``exp(z - max z) / sum exp(z - max z)`` then cancels the
 tangent exactly: ``sum`` over an axis ``c`` is constant along keeps ``y * c``, and the quotient of
-two ``y * c`` with the same ``c`` has tangent zero. A layer is a key when its tangent reaches no
-model output. Everything not understood makes the tangent "anything", so a layer is never
+two ``y * c`` with the same ``c`` has tangent zero. Each call of a layer is marked on its own
+(under ``vmap`` the mapped axes come first in the jaxpr); a layer is a key when no call's
+tangent reaches a model output, every call marked (one without positions too: a shared
+layer's pooled use). Everything not understood makes the tangent "anything", and the marks
+inside a construct the analysis does not enter (a ``while`` loop) too, so a layer is not
 taken for a key wrongly; one masking rule is approximate: ``where(mask, logits, fill)`` with a
 constant ``fill <= -1e4`` (Flax's ``finfo.min``) keeps the shift, as the filled entries get
 zero weight in the softmax that follows (filled logits used otherwise, ``z - max(z)`` as an
@@ -74,23 +77,25 @@ def _fresh_like(t: _Tangent, kind: Optional[str] = None) -> _Tangent:
 
 
 class Marks:
-  """The candidate layers of one discovery pass: :meth:`mark` routes a layer's output through
-  an identity ``jax.jit`` named for it, whose output variable :func:`shift_invariant` starts
-  from."""
+  """The calls of candidate layers in one discovery pass: :meth:`mark` routes a call's output
+  through an identity ``jax.jit`` named for the call, whose output variable
+  :func:`shift_invariant` starts from; :meth:`skip` notes a call that is not marked (its layer
+  is then no key)."""
 
   def __init__(self):
-    self.positions: dict[str, tuple[int, ...]] = {}
-    self.paths: dict[str, tuple[Any, ...]] = {}
+    self.paths: dict[str, tuple[Any, ...]] = {}  # mark name -> layer path
+    self.shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # (shape, positions)
+    self.skipped: set = set()
 
   def mark(self, out: Any, path: tuple[Any, ...], positions: Sequence[int]) -> Any:
-    """``out`` ``(N, P..., F...)`` through the identity named for ``path``; ``positions``: the
-    axes of ``P`` (unchanged when there are none or ``out`` is not an array)."""
-    if not positions or not isinstance(out, jax.Array):
+    """``out`` ``(N, P..., F...)`` of one call of the layer at ``path`` through an identity
+    named for the call; ``positions``: the axes of ``P`` (``()``: none, the call is still
+    marked, as one use of a shared layer)."""
+    if not isinstance(out, jax.Array):
+      self.skip(path)
       return out
-    name = next((n for n, p in self.paths.items() if p == path), None)
-    if name is None:
-      name = f"{_PREFIX}{len(self.paths)}"
-      self.paths[name], self.positions[name] = path, tuple(positions)
+    name = f"{_PREFIX}{len(self.paths)}"
+    self.paths[name], self.shapes[name] = path, (tuple(out.shape), tuple(positions))
 
     def identity(x):
       return x
@@ -98,10 +103,15 @@ class Marks:
     identity.__name__ = name
     return jax.jit(identity)(out)
 
+  def skip(self, path: tuple[Any, ...]) -> None:
+    self.skipped.add(path)
+
 
 def shift_invariant(jaxpr: Any, outputs: Sequence[bool], marks: Marks) -> frozenset:
-  """The paths of the marked layers whose shift along their positions reaches none of the
-  ``jaxpr``'s outputs marked in ``outputs`` (the model's outputs)."""
+  """The paths of the marked layers whose shift along their positions, at every call, reaches
+  none of the ``jaxpr``'s outputs marked in ``outputs`` (the model's outputs). A call whose
+  mark is not in the jaxpr was pruned by JAX (its output unused); a layer with a call not
+  marked (:meth:`Marks.skip`) or inside a construct the analysis does not enter is no key."""
   if not marks.paths:
     return frozenset()
   env: dict = {}
@@ -111,7 +121,8 @@ def shift_invariant(jaxpr: Any, outputs: Sequence[bool], marks: Marks) -> frozen
   for var, is_output in zip(jaxpr.outvars, outputs):
     if is_output and not isinstance(var, jax_core.Literal):
       reached.update(env.get(var, {}))
-  return frozenset(marks.paths[n] for n in flow.seen - reached)
+  not_keys = {marks.paths[n] for n in reached} | marks.skipped
+  return frozenset(marks.paths[n] for n in flow.seen) - not_keys
 
 
 class _Flow:
@@ -132,14 +143,7 @@ def _run(jaxpr: Any, env: dict, flow: _Flow, consts: Optional[dict] = None) -> N
       if not eqn.outvars:  # its output dropped (a loop body pruned by JAX)
         continue
       flow.seen.add(name)
-      shape = eqn.outvars[0].aval.shape
-      pos = flow.marks.positions[name]
-      incoming = _get(env, eqn.invars[0])
-      if name in incoming:  # the layer's input already moves with its own shift (used twice)
-        flow.anything.add(name)
-      env[eqn.outvars[0]] = {**incoming, name: _Tangent(
-          "add", -1 - int(name[len(_PREFIX):]),
-          tuple(None if (i in pos or shape[i] == 1) else ("src", i) for i in range(len(shape))))}
+      env[eqn.outvars[0]] = {**_get(env, eqn.invars[0]), **_start(eqn, name, flow)}
       continue
     ins = [{k: t for k, t in _get(env, v).items() if k not in flow.anything}
            for v in eqn.invars]
@@ -154,6 +158,21 @@ def _run(jaxpr: Any, env: dict, flow: _Flow, consts: Optional[dict] = None) -> N
       tangents = {k: t for k, t in tangents.items() if k not in flow.anything}
       if tangents:
         env[var] = tangents
+
+
+def _start(eqn: Any, name: str, flow: _Flow) -> dict:
+  """``{name: the shift}`` at a mark's output: ``c`` constant along the call's positions. Under
+  ``vmap`` the jaxpr's output has the mapped axes in front of the call's shape (``c`` may vary
+  along them); any other shape: "anything"."""
+  shape = eqn.outvars[0].aval.shape
+  own, positions = flow.marks.shapes[name]
+  extra = len(shape) - len(own)
+  if extra < 0 or tuple(shape[extra:]) != own:
+    flow.anything.add(name)
+    return {}
+  return {name: _Tangent("add", -1 - int(name[len(_PREFIX):]), tuple(
+      None if (i - extra in positions or shape[i] == 1) else ("src", i)
+      for i in range(len(shape))))}
 
 
 def _get(env: dict, var: Any) -> dict:
@@ -179,16 +198,19 @@ def _note_constant(eqn: Any, consts: dict) -> None:
 def _equation(eqn: Any, ins: list, flow: _Flow, consts: dict) -> list:
   """Each output's ``{mark name: _Tangent}`` of one equation with tangents on its inputs."""
   prim = eqn.primitive.name
-  if prim.startswith("custom_vjp") or (prim == "custom_jvp_call" and not _jax_softmax(eqn)):
-    # Its derivative is the user's rule, not the primal's (a straight-through estimator).
-    return [{k: _ANY for k in set().union(*ins)} for _ in eqn.outvars]
   sub = _sub_jaxpr(eqn)
-  if sub is not None and prim != "scan":
-    return _call(sub, eqn, ins, flow, consts)
   if prim == "scan":
     return _scan(eqn, ins, flow)
   if prim == "cond":
     return _cond(eqn, ins, flow)
+  if (_inner_jaxprs(eqn) and (sub is None or prim.startswith("custom_vjp")
+                              or (prim == "custom_jvp_call" and not _jax_softmax(eqn)))):
+    # Not entered: a custom derivative is the user's rule, not the primal's (a straight-through
+    # estimator); a while loop, other higher-order primitives. Marks inside are "anything".
+    flow.anything.update(_marks_in(eqn, flow.marks))
+    return [{k: _ANY for k in set().union(*ins)} for _ in eqn.outvars]
+  if sub is not None:
+    return _call(sub, eqn, ins, flow, consts)
   names = set().union(*ins)
   outs = [dict() for _ in eqn.outvars]
   for name in names:
@@ -210,8 +232,31 @@ def _jax_softmax(eqn: Any) -> bool:
       "\\", "/")
 
 
+def _inner_jaxprs(eqn: Any) -> list:
+  """Every jaxpr among ``eqn``'s parameters (open, closed, or in a tuple: ``cond``'s
+  branches)."""
+  found = []
+  for value in eqn.params.values():
+    for v in (value if isinstance(value, (tuple, list)) else (value,)):
+      if hasattr(v, "eqns") or hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+        found.append(_open(v))
+  return found
+
+
+def _marks_in(eqn: Any, marks: Marks) -> set:
+  """The mark names of the calls inside ``eqn``'s jaxprs, at any depth."""
+  names = set()
+  for inner in _inner_jaxprs(eqn):
+    for e in inner.eqns:
+      name = e.params.get("name", "") if e.primitive.name in ("jit", "pjit") else ""
+      if isinstance(name, str) and name in marks.paths:
+        names.add(name)
+      names |= _marks_in(e, marks)
+  return names
+
+
 def _holds_jaxpr(eqn: Any) -> bool:
-  return eqn.primitive.name in ("scan", "cond") or _sub_jaxpr(eqn) is not None
+  return bool(_inner_jaxprs(eqn))
 
 
 def _sub_jaxpr(eqn: Any) -> Any:
@@ -515,7 +560,9 @@ def _split(eqn, ts, consts):
 
 
 _RULES = {
-    **{p: _identity for p in ("convert_element_type", "copy", "copy_p", "reduce_precision",
+    # A cast's derivative is the cast of the tangent (the rounding of a narrowing one, like
+    # reduce_precision's, is the rounding every tangent and cotangent of that dtype has).
+    **{p: _identity for p in ("convert_element_type", "reduce_precision", "copy", "copy_p",
                               "sharding_constraint", "pvary", "name")},
     "optimization_barrier": lambda eqn, ts, consts: list(ts),
     # Zero tangent. Not floor / round / sign: a straight-through estimator passes cotangents

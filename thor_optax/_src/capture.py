@@ -846,10 +846,7 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     if why:
       transformed[tuple(mod.path)] = why
       return out
-    if method == "__call__":
-      plan = kind.plan(mod, (method,), jnp.shape(primary_input(args, kwargs)))
-      if plan.meta is not None:
-        out = marks.mark(out, tuple(mod.path), kind.output_positions(plan.meta, jnp.ndim(out)))
+    out = marked(marks, kind, mod, method, args, kwargs, out, tuple(mod.path))
     place = ctx.placement(mod)
     stack, shared_over = place if place is not None else ((), "")
     note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over,
@@ -874,6 +871,19 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
                                    batch_size(inputs)).items():
     transformed.setdefault(path, why)
   return calls, counts, foreign, transformed, frozenset(keys)
+
+
+def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, method: str,
+            args: tuple, kwargs: dict, out: Any, path: tuple[Any, ...]) -> Any:
+  """``out`` of one call of a registered kind's layer, marked for the attention-key analysis
+  (``attention_keys.Marks``) with the output's positions when it is a call the kind plans;
+  another method's call (a tied embedding's ``attend``) or one it lists is noted unmarked."""
+  plan = (kind.plan(mod, (method,), jnp.shape(primary_input(args, kwargs)))
+          if method == "__call__" else None)
+  if plan is None or plan.meta is None:
+    marks.skip(path)
+    return out
+  return marks.mark(out, path, kind.output_positions(plan.meta, jnp.ndim(out)))
 
 
 def _not_lifted_reason(mod: nn.Module, ctx: _Context) -> str:

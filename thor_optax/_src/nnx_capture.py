@@ -369,10 +369,8 @@ class _Discovery:
         self.raw.add(path)
         return out
       self.written.add(path)
-    kind = layers_lib.kind_of_module(mod)
-    plan = kind.plan(mod, (method,), jnp.shape(x)) if method == "__call__" else None
-    if plan is not None and plan.meta is not None:
-      out = self.marks.mark(out, path, kind.output_positions(plan.meta, jnp.ndim(out)))
+    out = capture_lib.marked(self.marks, layers_lib.kind_of_module(mod), mod, method, args,
+                             kwargs, out, path)
     capture_lib.note_call(self.calls, path, mod, method, args, kwargs, out, stack, shared,
                           lifted=mod is not self.layers[path])
     self.dtypes[path] = x.dtype
