@@ -455,3 +455,49 @@ def test_layers_whose_summed_cotangents_do_not_vanish_are_reduced(model, path):
                   for s in ("auto", "reduce"))
   assert _at(auto.layers, path).cotangents.shape == _at(reduce.layers, path).cotangents.shape
   assert float(jnp.abs(_at(reduce.layers, path).cotangents).max()) > 1e-3
+
+
+def _verdict_and_sums(f, args, perts):
+  """The analysis's keys of ``f(*args, perts, marks)`` and the ``k`` perturbation's cotangents
+  summed over its positions (axis 1) relative to their size."""
+  marks = attention_keys.Marks()
+  closed = jax.make_jaxpr(lambda *a: f(*a, marks))(*args, perts)
+  g = np.asarray(jax.grad(lambda p: jnp.sum(jnp.sin(f(*args, p))))(perts)["k"])
+  return (attention_keys.shift_invariant(closed.jaxpr, [True], marks),
+          np.abs(g.sum(1)).max() / np.abs(g).max())
+
+
+def test_a_vmap_whose_mapped_axis_is_not_in_front_is_not_taken_for_a_key():
+  """``jax.vmap(in_axes=2, out_axes=2)`` keeps the mapped axis in place in the jaxpr, and with
+  every size equal the shift was put along it (a softmax over the mapped axis cancelled it)."""
+  x = jnp.asarray(randn(0, (3, 3, 3, 4)))
+  kernel, values = jnp.asarray(randn(1, (4, 4))), jnp.asarray(randn(2, (3, 3, 3, 4)))
+
+  def f(x, perts, marks=None):
+    def layer(h, p):
+      y = h @ kernel + p  # one call: (N, T, D), positions (1,)
+      return y if marks is None else marks.mark(y, ("k",), (1,))
+    y = jax.vmap(layer, in_axes=(2, 2), out_axes=2)(x, perts["k"])
+    return (jax.nn.softmax(y, axis=2) * values).sum(2).mean(1)
+
+  found, summed = _verdict_and_sums(f, (x,), {"k": jnp.zeros((3, 3, 3, 4))})
+  assert not found and summed > 1e-3
+
+
+def test_a_shard_map_body_is_not_entered():
+  """Inside ``shard_map`` the example axis is one device's (size 1, taken as constant), so a
+  shift differing between examples looked like one ``c`` for all and cancelled."""
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  x, kernel = jnp.asarray(randn(0, (2, T, D))), jnp.asarray(randn(1, (D, D)))
+
+  def f(x, perts, marks=None):
+    def body(h, p):
+      y = h @ kernel + p
+      return y if marks is None else marks.mark(y, ("k",), (1,))
+    y = jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), jax.P("x")),
+                      out_specs=jax.P("x"))(x, perts["k"])
+    return jnp.tanh(y[0] - y[1])
+
+  found, summed = _verdict_and_sums(f, (x,), {"k": jnp.zeros((2, T, D))})
+  assert not found and summed > 1e-3

@@ -48,6 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 
 _PREFIX = "thor_optax_shift_probe_"
+# Calls whose body is the same computation on the same shapes: followed inside.
+_ENTERED = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
+                      "custom_jvp_call"})
 _FILL = -1e4  # a masked logit at or below this has zero softmax weight (exp underflows)
 _fresh = itertools.count()
 
@@ -162,17 +165,19 @@ def _run(jaxpr: Any, env: dict, flow: _Flow, consts: Optional[dict] = None) -> N
 
 def _start(eqn: Any, name: str, flow: _Flow) -> dict:
   """``{name: the shift}`` at a mark's output: ``c`` constant along the call's positions. Under
-  ``vmap`` the jaxpr's output has the mapped axes in front of the call's shape (``c`` may vary
-  along them); any other shape: "anything"."""
-  shape = eqn.outvars[0].aval.shape
+  ``vmap`` the jaxpr's output has mapped axes among the call's (``c`` may vary along them),
+  usually in front; when their place is ambiguous (equal sizes): "anything"."""
+  shape = tuple(eqn.outvars[0].aval.shape)
   own, positions = flow.marks.shapes[name]
-  extra = len(shape) - len(own)
-  if extra < 0 or tuple(shape[extra:]) != own:
+  # Where the call's axes are among the jaxpr's: one placement of the mapped axes, or none.
+  fits = [kept for kept in itertools.combinations(range(len(shape)), len(own))
+          if tuple(shape[i] for i in kept) == own]
+  if len(fits) != 1:
     flow.anything.add(name)
     return {}
+  constant = {fits[0][p] for p in positions}
   return {name: _Tangent("add", -1 - int(name[len(_PREFIX):]), tuple(
-      None if (i - extra in positions or shape[i] == 1) else ("src", i)
-      for i in range(len(shape))))}
+      None if (i in constant or shape[i] == 1) else ("src", i) for i in range(len(shape))))}
 
 
 def _get(env: dict, var: Any) -> dict:
@@ -203,10 +208,11 @@ def _equation(eqn: Any, ins: list, flow: _Flow, consts: dict) -> list:
     return _scan(eqn, ins, flow)
   if prim == "cond":
     return _cond(eqn, ins, flow)
-  if (_inner_jaxprs(eqn) and (sub is None or prim.startswith("custom_vjp")
-                              or (prim == "custom_jvp_call" and not _jax_softmax(eqn)))):
+  if _inner_jaxprs(eqn) and (prim not in _ENTERED or sub is None
+                             or (prim == "custom_jvp_call" and not _jax_softmax(eqn))):
     # Not entered: a custom derivative is the user's rule, not the primal's (a straight-through
-    # estimator); a while loop, other higher-order primitives. Marks inside are "anything".
+    # estimator); a while loop; a shard_map or pmap body, whose shapes are one device's; other
+    # higher-order primitives. Marks inside are "anything".
     flow.anything.update(_marks_in(eqn, flow.marks))
     return [{k: _ANY for k in set().union(*ins)} for _ in eqn.outvars]
   if sub is not None:
