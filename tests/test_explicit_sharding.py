@@ -170,13 +170,15 @@ def test_linen_every_layer_kind_two_devices_with_distributed_inversion():
 
 
 class Wide(nn.Module):
-  """Layers wider than the batch of 8 on both sides: both factors are applied to the rows."""
+  """Layers wider than the batch of 8 on both sides: both factors are applied to the rows.
+  ``classes=4``: every layer's outputs split over a model axis of 2."""
+  classes: int = 3
 
   @nn.compact
   def __call__(self, x, ids):
     del ids
     h = jnp.tanh(nn.Dense(16, **F64)(x.reshape(x.shape[0], -1)))
-    return nn.Dense(3, **F64)(nn.Dense(12, **F64)(h))
+    return nn.Dense(self.classes, **F64)(nn.Dense(12, **F64)(h))
 
 
 def _check_then_rows(model, loss, tx):
@@ -222,16 +224,6 @@ def _one_hot_loss(out, y):
   return -jnp.mean(jnp.sum(jax.nn.log_softmax(out) * jax.nn.one_hot(y, out.shape[-1]), -1))
 
 
-class EvenWide(nn.Module):
-  """``Wide`` with even widths, so that every layer's outputs split over a model axis of 2."""
-
-  @nn.compact
-  def __call__(self, x, ids):
-    del ids
-    h = jnp.tanh(nn.Dense(16, **F64)(x.reshape(x.shape[0], -1)))
-    return nn.Dense(4, **F64)(nn.Dense(12, **F64)(h))
-
-
 @pytest.mark.parametrize("name", ["thor", "skfac"])
 def test_linen_plain_step_from_the_rows_with_model_sharded_kernels(name):
   """Kernels ``(None, 'model')`` on a 2x2 mesh give the next layer feature-sharded inputs: a
@@ -241,7 +233,7 @@ def test_linen_plain_step_from_the_rows_with_model_sharded_kernels(name):
   says (the momentum replicated): the step returns it so (the non-finite guard's ``cond``
   raised on the momentum, which came back sharded like its gradient)."""
   x, ids, y = _data()
-  model = EvenWide()
+  model = Wide(classes=4)
   tx = getattr(thor_optax, name)(0.1, 0.03)
   steps = _check_then_rows(model, _one_hot_loss, tx)
   with jax.enable_x64(True), warnings.catch_warnings():
