@@ -822,7 +822,6 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
   calls: dict[tuple[str, ...], list] = {}
   foreign: dict[str, str] = {}
   transformed: dict[tuple[str, ...], str] = {}
-  keys: set[tuple[str, ...]] = set()
   marks = attention_keys.Marks()
   ctx = _Context({path: {k: tuple(v.shape) for k, v in leaves.items()}
                   for path, leaves in _module_leaves(params).items()})
@@ -860,8 +859,8 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
 
   closed, (outputs, mutated) = _trace_discovery(apply, record, ctx, params, model_state,
                                                 inputs)
-  keys.update(attention_keys.shift_invariant(
-      closed.jaxpr, [i < len(outputs) for i in range(len(closed.jaxpr.outvars))], marks))
+  keys = attention_keys.shift_invariant(
+      closed.jaxpr, [i < len(outputs) for i in range(len(closed.jaxpr.outvars))], marks)
   counts = {path: _get(mutated, path)[_CALLS].shape[-1] for path in calls
             if _CALLS in (_get(mutated, path) or {})}
   probes = {path: _get(mutated, path)[_INPUTS] for path in calls
@@ -870,7 +869,7 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
   for path, why in not_per_example(closed.jaxpr, (outputs, mutated), probes, given,
                                    batch_size(inputs)).items():
     transformed.setdefault(path, why)
-  return calls, counts, foreign, transformed, frozenset(keys)
+  return calls, counts, foreign, transformed, keys
 
 
 def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, method: str,
