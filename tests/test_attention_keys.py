@@ -89,6 +89,9 @@ STYLES = {
     "finfo_min_bias": (lambda q, k, v: _mix(jax.nn.softmax(_logits(q, k) + jax.lax.select(
         MASK, jnp.zeros((N, T)), jnp.full((N, T), jnp.finfo(jnp.float64).min))[
             :, None, None, :]), v), {"k"}),
+    # DeepMind's Perceiver writes the fill as -large_k, large_k = jnp.array(1e30).
+    "negated_fill": (lambda q, k, v: _mix(jax.nn.softmax(jnp.where(
+        MASK[:, None, None, :], _logits(q, k), -jnp.array(1e30))), v), {"k"}),
     "bert_additive_mask": (lambda q, k, v: _mix(jax.nn.softmax(
         _logits(q, k) + (1.0 - MASK[:, None, None, :]) * -10000.0), v), {"k"}),
     # Not keys: the shift changes the output.
@@ -143,7 +146,7 @@ def _model(style, marks=None):
 @pytest.mark.parametrize("style", sorted(STYLES) + ["fused"])
 def test_keys_found_are_those_whose_summed_cotangents_vanish(style):
   """Before, ``hard_attention``, ``scan_delta``, ``cond`` and ``reshape_layouts`` took the key
-  (or the query) for a key and ``barrier`` the value."""
+  (or the query) for a key and ``barrier`` the value; ``negated_fill``'s key was missed."""
   x = jnp.asarray(randn(0, (N, T, D)))
   names = ("qkv",) if style == "fused" else tuple("qkv")
   width = 3 * D if style == "fused" else D

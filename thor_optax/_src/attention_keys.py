@@ -190,14 +190,15 @@ def _is_float(var: Any) -> bool:
 
 
 def _note_constant(eqn: Any, consts: dict) -> None:
-  """Records the value of a broadcast or converted scalar constant (a mask's fill value)."""
-  if eqn.primitive.name not in ("broadcast_in_dim", "convert_element_type", "reshape"):
+  """Records the value of a broadcast, converted or negated scalar constant (a mask's fill
+  value: ``-large`` with ``large = jnp.array(1e30)``)."""
+  if eqn.primitive.name not in ("broadcast_in_dim", "convert_element_type", "reshape", "neg"):
     return
   v = eqn.invars[0]
   value = (float(v.val) if isinstance(v, jax_core.Literal) and np.ndim(v.val) == 0
            else consts.get(v))
   if value is not None:
-    consts[eqn.outvars[0]] = value
+    consts[eqn.outvars[0]] = -value if eqn.primitive.name == "neg" else value
 
 
 def _equation(eqn: Any, ins: list, flow: _Flow, consts: dict) -> list:
