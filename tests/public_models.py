@@ -390,8 +390,8 @@ class BertStyleClassifier(nn.Module):
     ids, mask = batch["input_ids"], batch["attention_mask"]
     h = nn.LayerNorm(name="embeddings_ln")(nn.Embed(self.vocab, self.width,
                                                     name="word_embeddings")(ids))
-    heads = lambda t: t.reshape(t.shape[:2] + (self.heads, -1))  # pylint: disable=unnecessary-lambda-assignment
-    q, k, v = (heads(nn.Dense(self.width, name=n)(h)) for n in ("query", "key", "value"))
+    q, k, v = (nn.Dense(self.width, name=n)(h).reshape(h.shape[:2] + (self.heads, -1))
+               for n in ("query", "key", "value"))
     shape = mask[:, None, None, :].shape
     bias = jax.lax.select(mask[:, None, None, :] > 0, jnp.zeros(shape, h.dtype),
                           jnp.full(shape, jnp.finfo(h.dtype).min, h.dtype))

@@ -1215,9 +1215,9 @@ def value_and_grad_with_stats(
       cotangents sum to zero over the positions: reduce's ``G`` would vanish), found from
       the traced model, Flax's attention modules and attention written by hand alike
       (``attention_keys.py``). Dense and ``DenseGeneral`` layers; embeddings always expand,
-      convolutions follow the transforms' ``conv_statistics``. A layer whose weights a lifted loop applies
-      at every iteration (a recurrent cell) is always folded with reduce over the iterations,
-      whose rows do not leave the loop; ``'expand'`` lists it with that reason.
+      convolutions follow the transforms' ``conv_statistics``. A layer whose weights a lifted
+      loop applies at every iteration (a recurrent cell) is always folded with reduce over the
+      iterations, whose rows do not leave the loop; ``'expand'`` lists it with that reason.
 
   Returns:
     ``fn(params, inputs, targets, *, rng=None, model_state=None, mutable=False,

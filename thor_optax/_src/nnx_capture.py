@@ -280,8 +280,9 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
   depends on no example (``capture.not_per_example``: a relative-position bucket table,
   learned latents or a buffer; the call's keywords and the model's RNG streams count as per
   example, its buffers and batch statistics do not). A layer run inside an NNX lifted
-  transform is seen as a copy that carries its path; its stack axes are the leading axes of its parameters that the
-  copy does not see (``nnx.scan`` / ``nnx.vmap`` over a stack of layers). A layer whose
+  transform is seen as a copy that carries its path; its stack axes are the leading axes of
+  its parameters that the copy does not see (``nnx.scan`` / ``nnx.vmap`` over a stack of
+  layers). A layer whose
   unstacked weights are applied at every iteration is marked shared: under ``nnx.vmap`` its
   input is mapped while its weights are not; under ``nnx.scan`` the write of its probe channel
   either does not come out of the loop (a cell broadcast into the loop: the probe's output is
