@@ -230,8 +230,9 @@ def test_linen_plain_step_from_the_rows_with_model_sharded_kernels(name):
   plain step from the rows raised ``ShardingTypeError`` (the ones column of the bias input
   sliced the sharded feature axis); the rows are now laid out as a check step lays them out,
   and the steps equal the unsharded ones. The state is placed as ``kronecker_state_sharding``
-  says (the momentum replicated): the step returns it so (the non-finite guard's ``cond``
-  raised on the momentum, which came back sharded like its gradient)."""
+  says, the momentum replicated (thor) or, with ``params=``, sharded like the parameters
+  (skfac): the step returns it so (the non-finite guard's ``cond`` raised on a replicated
+  momentum, which came back sharded like its gradient)."""
   x, ids, y = _data()
   model = Wide(classes=4)
   tx = getattr(thor_optax, name)(0.1, 0.03)
@@ -245,7 +246,9 @@ def test_linen_plain_step_from_the_rows_with_model_sharded_kernels(name):
       sharded = jax.tree.map(lambda a: jax.device_put(a, P(*(None,) * (a.ndim - 1), "model")),
                              params)
       state = tx.init(sharded)
-      placed = thor_optax.kronecker_state_sharding(state, mesh, "data")
+      # skfac: the momentum sharded like the parameters (params=); thor: replicated.
+      placed = thor_optax.kronecker_state_sharding(
+          state, mesh, "data", params=sharded if name == "skfac" else None)
       got, state = jax.jit(steps)(sharded, jax.device_put(state, placed),
                                   jax.device_put(x, P("data")), jax.device_put(ids, P()),
                                   jax.device_put(y, P("data")))
@@ -253,6 +256,8 @@ def test_linen_plain_step_from_the_rows_with_model_sharded_kernels(name):
   assert jax.typeof(got["Dense_1"]["kernel"]).sharding.spec == P(None, "model")
   for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(placed)):
     assert jax.typeof(leaf).sharding.spec == sharding.spec
+  momentum = [s.spec for s in jax.tree.leaves(placed) if "model" in s.spec]
+  assert len(momentum) == (6 if name == "skfac" else 0)  # 3 kernels and 3 biases
 
 
 def test_linen_skfac_one_by_one_mesh():

@@ -51,8 +51,31 @@ def _boxed_sharding(box: Any, mesh: Mesh, rules: Any) -> NamedSharding:
   return NamedSharding(mesh, spec)
 
 
+class _LikeParams:
+  """Whether a state subtree has the parameters' structure and shapes (of two leaves or more);
+  ``shardings``: the parameters' own, spelled out to every axis."""
+
+  def __init__(self, params: Any, mesh: Mesh):
+    self.structure = None if params is None else jax.tree.structure(params)
+    self.shapes = [tuple(p.shape) for p in jax.tree.leaves(params)]
+
+    def sharding(p):
+      placed = getattr(p, "sharding", None)
+      spec = tuple(placed.spec) if isinstance(placed, NamedSharding) else ()
+      return NamedSharding(mesh, PartitionSpec(*spec, *[None] * (len(p.shape) - len(spec))))
+
+    self.shardings = None if params is None else jax.tree.map(sharding, params)
+
+  def __call__(self, x: Any) -> bool:
+    if (self.structure is None or self.structure.num_leaves < 2
+        or isinstance(x, (transform.KroneckerState, nn.Partitioned))):
+      return False
+    return (jax.tree.structure(x) == self.structure
+            and [tuple(getattr(v, "shape", ())) for v in jax.tree.leaves(x)] == self.shapes)
+
+
 def kronecker_state_sharding(opt_state: Any, mesh: Mesh, block_axis: Optional[str] = None,
-                             rules: Any = None) -> Any:
+                             rules: Any = None, *, params: Any = None) -> Any:
   """A pytree of ``NamedSharding`` for an optimizer state holding :class:`KroneckerState`\\ s.
 
   Use it as the ``out_shardings`` (and ``in_shardings``) of the optimizer state in a jitted
@@ -71,12 +94,18 @@ def kronecker_state_sharding(opt_state: Any, mesh: Mesh, block_axis: Optional[st
     rules: logical axis rules ``((logical name, mesh axis), ...)`` for leaves boxed as
       ``nn.LogicallyPartitioned``; ``None``: the box's own rules, else those of the enclosing
       ``flax.linen.logical_axis_rules`` (names without a rule are not sharded, as in Flax).
+    params: the parameters as placed on ``mesh`` (arrays, or ``jax.ShapeDtypeStruct`` s with a
+      ``NamedSharding``; keyword only): the state's parameter-shaped subtrees are sharded like
+      them. ``None`` (default): replicated.
 
   Leaves outside the ``KroneckerState`` nodes that are boxed like parameters
   (``nn.Partitioned``, ``nn.LogicallyPartitioned``: e.g. the momentum of :func:`thor_optax.thor`
   for parameters that ``model.init`` returned boxed) get their parameters' sharding (names as
   mesh axes; logical names resolved by ``rules``), inside the same box; other leaves are
-  replicated. A ``KroneckerState`` holds no parameter-shaped leaf, so Flax's recipe,
+  replicated, unless ``params`` is given: a subtree of the state with the parameters' structure
+  and shapes (a momentum, Adam's moments in a chain) then gets their shardings, for parameters
+  sharded without a box (``jax.device_put(params, ...)``). A ``KroneckerState``
+  holds no parameter-shaped leaf, so Flax's recipe,
   ``nn.logical_to_mesh_sharding(nn.get_partition_spec(jax.eval_shape(tx.init, params)), mesh,
   rules)``, gives the same shardings as ``block_axis=None`` (that recipe reads every box's names
   as logical names: its ``rules`` must also map the mesh axis names of ``nn.Partitioned`` boxes,
@@ -119,9 +148,13 @@ def kronecker_state_sharding(opt_state: Any, mesh: Mesh, block_axis: Optional[st
       return NamedSharding(mesh, PartitionSpec(block_axis, *[None] * (leaf.ndim - 1)))
     return replicated(leaf)
 
+  like_params = _LikeParams(params, mesh)
+
   def node(x):
     if isinstance(x, nn.Partitioned):  # boxed like a parameter: sharded as the parameter
       return x.replace_boxed(_boxed_sharding(x, mesh, rules))
+    if like_params(x):
+      return like_params.shardings
     if not isinstance(x, transform.KroneckerState):
       return replicated(x)
     # Every leaf of a block stack has the block index on axis 0; the rest is replicated.
@@ -129,6 +162,6 @@ def kronecker_state_sharding(opt_state: Any, mesh: Mesh, block_axis: Optional[st
     return everything._replace(blocks=jax.tree.map(stack, x.blocks))
 
   def is_node(x):
-    return isinstance(x, (transform.KroneckerState, nn.Partitioned))
+    return isinstance(x, (transform.KroneckerState, nn.Partitioned)) or like_params(x)
 
   return jax.tree.map(node, opt_state, is_leaf=is_node)
