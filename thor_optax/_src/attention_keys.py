@@ -141,8 +141,8 @@ def _run(jaxpr: Any, env: dict, flow: _Flow, consts: Optional[dict] = None) -> N
   name: _Tangent}}``, absent: zero; ``consts``: known constant values of variables)."""
   consts = {} if consts is None else consts
   for eqn in jaxpr.eqns:
-    name = eqn.params.get("name", "") if eqn.primitive.name in ("jit", "pjit") else ""
-    if isinstance(name, str) and name.startswith(_PREFIX) and name in flow.marks.paths:
+    name = _mark_name(eqn, flow.marks)
+    if name:
       if not eqn.outvars:  # its output dropped (a loop body pruned by JAX)
         continue
       flow.seen.add(name)
@@ -178,6 +178,12 @@ def _start(eqn: Any, name: str, flow: _Flow) -> dict:
   constant = {fits[0][p] for p in positions}
   return {name: _Tangent("add", -1 - int(name[len(_PREFIX):]), tuple(
       None if (i in constant or shape[i] == 1) else ("src", i) for i in range(len(shape))))}
+
+
+def _mark_name(eqn: Any, marks: Marks) -> str:
+  """The name of the mark ``eqn`` is (a ``jit`` named by :meth:`Marks.mark`), else ``''``."""
+  name = eqn.params.get("name", "") if eqn.primitive.name in ("jit", "pjit") else ""
+  return name if isinstance(name, str) and name in marks.paths else ""
 
 
 def _get(env: dict, var: Any) -> dict:
@@ -255,9 +261,8 @@ def _marks_in(eqn: Any, marks: Marks) -> set:
   names = set()
   for inner in _inner_jaxprs(eqn):
     for e in inner.eqns:
-      name = e.params.get("name", "") if e.primitive.name in ("jit", "pjit") else ""
-      if isinstance(name, str) and name in marks.paths:
-        names.add(name)
+      if _mark_name(e, marks):
+        names.add(_mark_name(e, marks))
       names |= _marks_in(e, marks)
   return names
 
@@ -549,10 +554,12 @@ def _select(eqn, ts, consts):
 
 
 def _slice(eqn, ts, consts):
-  """A slice along axes ``c`` is constant along keeps ``c``; along others, a new ``c``."""
   del consts
-  t = ts[0]
-  old, new = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+  return _sliced(ts[0], eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape)
+
+
+def _sliced(t: _Tangent, old: tuple, new: tuple) -> _Tangent:
+  """A slice along axes ``c`` is constant along keeps ``c``; along others, a new ``c``."""
   if len(old) != len(new):
     return _ANY
   cut = [i for i in range(len(old)) if old[i] != new[i]]
@@ -562,8 +569,8 @@ def _slice(eqn, ts, consts):
 
 
 def _split(eqn, ts, consts):
-  return [_slice(type("E", (), dict(invars=eqn.invars, outvars=[o]))(), ts, consts)
-          for o in eqn.outvars]
+  del consts
+  return [_sliced(ts[0], eqn.invars[0].aval.shape, o.aval.shape) for o in eqn.outvars]
 
 
 _RULES = {
