@@ -89,7 +89,8 @@ def scalars_by_layer(params) -> dict[str, int]:
 def measure(case: pm.Case, repeats: int) -> dict:
   """One row of the table for ``case``."""
   params, model_state, (x, y) = pm.init_case(case)
-  tx = thor_optax.thor(case.learning_rate, DAMPING)
+  tx = thor_optax.thor(case.learning_rate, DAMPING,
+                       layers=pm.captured_layout(case, params, model_state, (x, y)))
   sgd = optax.sgd(case.learning_rate, momentum=0.9)
   unhandled = []
   check_step, plain_step = pm.make_steps(case, tx, on_stats=lambda s: unhandled.append(s.unhandled))

@@ -7,10 +7,10 @@ Each definition follows the style of a well-known public source (not its code): 
 {'params': 0}``, pre-LayerNorm, ``MlpBlock``), ``nn.RNN(nn.LSTMCell)`` classifiers, HuggingFace
 Flax models (a tied LM head applied with ``.apply({'params': {'kernel': embedding.T}})``, outputs
 as tuples, dicts and ``flax.struct.dataclass`` output classes, a BERT classifier whose attention
-is written by hand), BiT / ViT-hybrid weight-
-standardized convolutions (``class StdConv(nn.Conv)`` overriding ``param``), ``nn.remat``-ed
-layers, and the Flax NNX "scan over layers" pattern (``nnx.vmap`` to create a stack of layers,
-``nnx.scan`` to run it, ``nnx.remat`` around a layer).
+is written by hand, a GPT-2 whose ``Conv1D`` layers hold their kernels ``(d_out, d_in)``), BiT /
+ViT-hybrid weight-standardized convolutions (``class StdConv(nn.Conv)`` overriding ``param``),
+``nn.remat``-ed layers, and the Flax NNX "scan over layers" pattern (``nnx.vmap`` to create a
+stack of layers, ``nnx.scan`` to run it, ``nnx.remat`` around a layer).
 
 Sizes are tiny (widths 8-32, two or three layers, a few pixels or tokens) so that every model
 compiles and trains in about a second on a CPU. :data:`LINEN_MODELS` lists the linen models with
@@ -405,6 +405,68 @@ class BertStyleClassifier(nn.Module):
     return nn.Dense(self.num_classes, name="classifier")(pooled)
 
 
+# -------------------------------- (13) GPT-2-style LM: Conv1D layers holding (d_out, d_in)
+
+
+class Conv1D(nn.Module):
+  """Hugging Face's Flax GPT-2 dense layer, written small: the ``kernel`` is stored
+  ``(features, d_in)`` (the PyTorch layout), cast and transposed before ``lax.dot_general``."""
+
+  features: int
+  use_bias: bool = True
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, inputs):
+    inputs = jnp.asarray(inputs, self.dtype)
+    kernel = self.param("kernel", nn.initializers.normal(0.02),
+                        (self.features, inputs.shape[-1]))
+    kernel = jnp.asarray(kernel.transpose(), self.dtype)
+    y = jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())))
+    if self.use_bias:
+      y = y + jnp.asarray(self.param("bias", nn.initializers.zeros, (self.features,)),
+                          self.dtype)
+    return y
+
+
+class GPT2Block(nn.Module):
+  """Pre-LayerNorm block: a fused ``c_attn`` Conv1D split into query, key and value, causal
+  attention written by hand (a ``finfo.min`` fill), ``c_proj``; an MLP of two Conv1D."""
+
+  width: int = 16
+  heads: int = 2
+
+  @nn.compact
+  def __call__(self, h):
+    n, t, _ = h.shape
+    qkv = Conv1D(3 * self.width, name="c_attn")(nn.LayerNorm(name="ln_1")(h))
+    q, k, v = (a.reshape(n, t, self.heads, -1) for a in jnp.split(qkv, 3, axis=-1))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    context = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores), v).reshape(n, t, -1)
+    h = h + Conv1D(self.width, name="attn_c_proj")(context)
+    mlp = Conv1D(4 * self.width, name="c_fc")(nn.LayerNorm(name="ln_2")(h))
+    return h + Conv1D(self.width, name="mlp_c_proj")(nn.gelu(mlp, approximate=True))
+
+
+class GPT2LM(nn.Module):
+  """Token and position embeddings (``nn.Embed``, positions broadcast to the batch), one
+  :class:`GPT2Block`, a final LayerNorm and logits tied to the token embedding
+  (``wte.attend``)."""
+
+  vocab: int = 16
+  width: int = 16
+
+  @nn.compact
+  def __call__(self, ids):
+    wte = nn.Embed(self.vocab, self.width, name="wte")
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    h = wte(ids) + nn.Embed(ids.shape[1], self.width, name="wpe")(positions)
+    h = GPT2Block(self.width, name="h_0")(h)
+    return wte.attend(nn.LayerNorm(name="ln_f")(h))
+
+
 # ------------------------------------------------------------ (11) NNX: nnx.scan / nnx.remat
 
 
@@ -512,6 +574,8 @@ class Case:
     capture_kwargs: keywords of ``value_and_grad_with_stats`` (``num_loss_terms``).
     batch_stats: whether the model has a ``batch_stats`` collection (``train=True`` then).
     learning_rate: the optimizer's learning rate.
+    captured_layout: whether the optimizer needs the capture's layout,
+      ``layers=thor_optax.captured_layers(stats)`` (:func:`captured_layout`).
   """
 
   name: str
@@ -523,6 +587,7 @@ class Case:
   capture_kwargs: dict = dataclasses.field(default_factory=dict)
   batch_stats: bool = False
   learning_rate: float = 0.05
+  captured_layout: bool = False
 
 
 _ATTN = ("query", "key", "value", "out")
@@ -567,6 +632,10 @@ LINEN_MODELS: dict[str, Case] = {c.name: c for c in [
          frozenset({"word_embeddings", "embeddings_ln", "query", "key", "value",
                     "attention_out", "attention_ln", "intermediate", "output", "output_ln",
                     "pooler", "classifier"}), {}),
+    Case("gpt2_lm", GPT2LM(), lambda: token_batch(12, 4, 8, 16), softmax_ce,
+         frozenset({"wte", "wpe", "ln_f"}
+                   | {f"h_0/{m}" for m in ("ln_1", "c_attn", "attn_c_proj", "ln_2", "c_fc",
+                                           "mlp_c_proj")}), {}, captured_layout=True),
 ]}
 
 
@@ -589,6 +658,19 @@ def init_case(case: Case, seed: int = 0) -> tuple[Any, dict, tuple]:
   variables = init(x)
   state = {k: v for k, v in variables.items() if k != "params"}
   return variables["params"], state, (x, y)
+
+
+def captured_layout(case: Case, params: Any, model_state: dict, batch: tuple) -> Any:
+  """``thor_optax.captured_layers`` of one abstract capture of the case (no FLOPs) when the
+  case needs it (:attr:`Case.captured_layout`: kernels applied transposed), else ``None``."""
+  if not case.captured_layout:
+    return None
+  from thor_optax.flax import value_and_grad_with_stats  # pylint: disable=import-outside-toplevel
+  import thor_optax  # pylint: disable=import-outside-toplevel
+
+  capture = value_and_grad_with_stats(case.model, case.loss_fn, **case.capture_kwargs)
+  _, stats = jax.eval_shape(lambda p: capture(p, *batch, model_state=model_state), params)
+  return thor_optax.captured_layers(stats)
 
 
 def make_steps(case: Case, tx: optax.GradientTransformation,

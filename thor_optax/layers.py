@@ -2,8 +2,9 @@
 
 A kind is a :class:`LayerKind` subclass instance registered with :func:`register_layer_kind` (tried
 before the built-in kinds). The built-in kinds are instances of ``Dense``, ``Conv``,
-``ConvTranspose``, ``DenseGeneral``, ``Einsum``, ``Embed`` and ``Norm`` (``registered()`` lists them
-in the order they are tried); subclass one of these classes to reuse its factors (see the README's
+``ConvTranspose``, ``DenseGeneral``, ``Einsum``, ``Embed``, ``Norm`` and ``Matmul`` (any other
+linen module whose call is a product by its own ``kernel``; ``registered()`` lists them in the
+order they are tried); subclass one of these classes to reuse its factors (see the README's
 "Layer kinds of your own").
 """
 
@@ -22,6 +23,8 @@ from thor_optax._src.layers.dense import Dense
 from thor_optax._src.layers.dense_general import DenseGeneral
 from thor_optax._src.layers.einsum import Einsum
 from thor_optax._src.layers.embed import Embed
+from thor_optax._src.layers.matmul import Matmul
+from thor_optax._src.layers.matmul import MatmulStats
 from thor_optax._src.layers.norm import Norm
 
 __all__ = (
@@ -36,6 +39,8 @@ __all__ = (
     "FactorRows",
     "LayerKind",
     "LayerSpec",
+    "Matmul",
+    "MatmulStats",
     "Norm",
     "Plan",
     "register_layer_kind",

@@ -270,6 +270,10 @@ class Call(NamedTuple):
       unstacked weights at every iteration (an ``nn.RNN`` cell), ``''`` otherwise.
     lifted: whether the call runs inside a lifted transform (``nn.remat``, ``nnx.scan``, ...)
       rather than directly in the model's forward pass.
+    kind: the module's layer kind, found while the module was live, or ``None``.
+    plan: the kind's :class:`~thor_optax._src.layers.base.Plan` of a ``__call__``, made while
+      the module was live (kept for a kind whose plan reads the module's variables,
+      :attr:`~thor_optax._src.layers.base.LayerKind.live_plan`), or ``None``.
   """
 
   module: Any
@@ -279,16 +283,19 @@ class Call(NamedTuple):
   stack: tuple[int, ...] = ()
   shared_over: str = ""
   lifted: bool = False
+  kind: Optional[layer_base.LayerKind] = None
+  plan: Optional[layer_base.Plan] = None
 
 
 def note_call(calls: dict, path: tuple[Any, ...], mod: Any, method: str, args: tuple,
               kwargs: dict, out: Any, stack: tuple[int, ...] = (), shared_over: str = "",
-              lifted: bool = False) -> None:
+              lifted: bool = False, kind: Optional[layer_base.LayerKind] = None,
+              plan: Optional[layer_base.Plan] = None) -> None:
   """Records one call for :func:`plan_calls` (appends a :class:`Call` to ``calls[path]``)."""
   out_struct = (jax.ShapeDtypeStruct(out.shape, out.dtype) if hasattr(out, "shape") else None)
   calls.setdefault(path, []).append(
       Call(mod, method, tuple(primary_input(args, kwargs).shape), out_struct, tuple(stack),
-           shared_over, lifted))
+           shared_over, lifted, kind, plan))
 
 
 def path_name(path: tuple[Any, ...]) -> str:
@@ -338,8 +345,10 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
   captured: dict[tuple[Any, ...], dict] = {}
   for path, seen in calls.items():
     first = seen[0]
-    kind = layers_lib.kind_of_module(first.module)
-    plan = kind.plan(first.module, tuple(c.method for c in seen), first.input_shape)
+    kind = first.kind or layers_lib.kind_of_module(first.module)
+    methods = tuple(c.method for c in seen)
+    plan = (first.plan if kind.live_plan and first.plan is not None
+            else kind.plan(first.module, methods, first.input_shape))
     if plan.meta is None and not plan.reason:
       continue  # no parameters, nothing to precondition
     n_calls = (counts or {}).get(path, sum(c.method == "__call__" for c in seen))
@@ -845,11 +854,11 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     if why:
       transformed[tuple(mod.path)] = why
       return out
-    out = marked(marks, kind, mod, method, args, kwargs, out, tuple(mod.path))
+    out, plan = marked(marks, kind, mod, method, args, kwargs, out, tuple(mod.path))
     place = ctx.placement(mod)
     stack, shared_over = place if place is not None else ((), "")
     note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over,
-              lifted=mod.scope.root is not ctx.root)
+              lifted=mod.scope.root is not ctx.root, kind=kind, plan=plan)
     if method == "__call__" and place is not None and not shared_over:
       seen = (mod.scope.get_variable("params", _CALLS)
               if mod.scope.has_variable("params", _CALLS) else jnp.zeros((0,)))
@@ -873,16 +882,18 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
 
 
 def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, method: str,
-            args: tuple, kwargs: dict, out: Any, path: tuple[Any, ...]) -> Any:
-  """``out`` of one call of a registered kind's layer, marked for the attention-key analysis
-  (``attention_keys.Marks``) with the output's positions when it is a call the kind plans;
+           args: tuple, kwargs: dict, out: Any,
+           path: tuple[Any, ...]) -> tuple[Any, Optional[layer_base.Plan]]:
+  """``(out, plan)`` of one call of a registered kind's layer: ``out`` marked for the
+  attention-key analysis (``attention_keys.Marks``) with the output's positions when it is a
+  call the kind plans, and the kind's plan of a ``__call__`` (``None`` for another method);
   another method's call (a tied embedding's ``attend``) or one it lists is noted unmarked."""
   plan = (kind.plan(mod, (method,), jnp.shape(primary_input(args, kwargs)))
           if method == "__call__" else None)
   if plan is None or plan.meta is None:
     marks.skip(path)
-    return out
-  return marks.mark(out, path, kind.output_positions(plan.meta, jnp.ndim(out)))
+    return out, plan
+  return marks.mark(out, path, kind.output_positions(plan.meta, jnp.ndim(out))), plan
 
 
 def _not_lifted_reason(mod: nn.Module, ctx: _Context) -> str:

@@ -718,7 +718,8 @@ def statistics_by_layer(curvature_stats: Any, layout: blocks.BlockLayout,
         "them from the model whose gradients you pass (inside optax.masked / optax.partition, "
         "layers of the other partitions are ignored; with nnx.Optimizer(model, tx, wrt=...), "
         "pass the same wrt= to thor_optax.nnx.value_and_grad_with_stats). A layer whose "
-        "parameter shapes do not show how the model applies it (an nn.Einsum kernel) needs the "
+        "parameter shapes do not show how the model applies it (an nn.Einsum kernel, a kernel "
+        "applied transposed such as GPT-2's Conv1D) needs the "
         "capture's layout: layers=thor_optax.captured_layers(stats).")
   flat = {name: (layout.layer(name).flat_stack(layer) if layout.layer(name).stack else layer)
           for name, layer in flat.items()}

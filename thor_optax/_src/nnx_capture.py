@@ -370,10 +370,10 @@ class _Discovery:
         self.raw.add(path)
         return out
       self.written.add(path)
-    out = capture_lib.marked(self.marks, layers_lib.kind_of_module(mod), mod, method, args,
-                             kwargs, out, path)
+    kind = layers_lib.kind_of_module(mod)
+    out, plan = capture_lib.marked(self.marks, kind, mod, method, args, kwargs, out, path)
     capture_lib.note_call(self.calls, path, mod, method, args, kwargs, out, stack, shared,
-                          lifted=mod is not self.layers[path])
+                          lifted=mod is not self.layers[path], kind=kind, plan=plan)
     self.dtypes[path] = x.dtype
     if (method == "__call__" and mod is self.layers[path]
         and jax.extend.core.get_opaque_trace_state(convention="nnx") == self.top):

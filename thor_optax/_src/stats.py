@@ -28,6 +28,7 @@ from thor_optax._src.layers import dense
 from thor_optax._src.layers import dense_general
 from thor_optax._src.layers import einsum
 from thor_optax._src.layers import embed
+from thor_optax._src.layers import matmul
 from thor_optax._src.layers import norm
 
 
@@ -37,6 +38,7 @@ EinsumStats = einsum.EinsumStats
 ConvStats = conv.ConvStats
 EmbedStats = embed.EmbedStats
 NormStats = norm.NormStats
+MatmulStats = matmul.MatmulStats
 LayerStats = Any  # an instance of a registered layer kind's ``stats_type``
 
 

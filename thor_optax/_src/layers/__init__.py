@@ -2,7 +2,7 @@
 loop over it.
 
 Each kind is one module of this package (``dense.py``, ``conv.py``, ``conv_transpose.py``,
-``dense_general.py``, ``einsum.py``, ``embed.py``, ``norm.py``)
+``dense_general.py``, ``einsum.py``, ``embed.py``, ``norm.py``, ``matmul.py``)
 holding a :class:`~thor_optax._src.layers.base.LayerKind`. Kinds are tried in registry order;
 a kind registered by a user with :func:`register_layer_kind` is tried before the built-in ones,
 so it can take over modules (a subclass of ``nn.Conv`` whose kernel is transformed in
@@ -21,6 +21,7 @@ from thor_optax._src.layers import dense
 from thor_optax._src.layers import dense_general
 from thor_optax._src.layers import einsum
 from thor_optax._src.layers import embed
+from thor_optax._src.layers import matmul
 from thor_optax._src.layers import norm
 
 LayerKind = base.LayerKind
@@ -29,7 +30,7 @@ LayerSpec = base.LayerSpec
 # ``ConvTranspose`` after ``Conv``: its statistics are ``ConvStats``, read by ``Conv``.
 _BUILTIN: tuple[base.LayerKind, ...] = (dense.Dense(), conv.Conv(), conv_transpose.ConvTranspose(),
                                          dense_general.DenseGeneral(), einsum.Einsum(),
-                                         embed.Embed(), norm.Norm())
+                                         embed.Embed(), norm.Norm(), matmul.Matmul())
 _user: list[base.LayerKind] = []
 
 

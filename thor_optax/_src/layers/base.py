@@ -271,6 +271,9 @@ class LayerKind(abc.ABC):
     integer_inputs: whether the recorded input is integer by nature (an embedding's ids); for
       the other kinds an integer or boolean input (``uint8`` images) is recorded cast to the
       cotangents' float dtype, as Flax casts it before the product.
+    live_plan: whether :meth:`plan` reads the module's variables, which linen keeps only while
+      the model runs: the capture then keeps the plan of the module's first call instead of
+      planning after the pass (the ``'matmul'`` kind, which traces the call).
 
   Subclassing raises nothing; :func:`thor_optax.register_layer_kind` checks the attributes
   (``TypeError`` / ``ValueError``), and the methods say what they raise.
@@ -293,6 +296,7 @@ class LayerKind(abc.ABC):
   reduces_steps: bool = False
   gradient_from_rows: bool = False
   integer_inputs: bool = False
+  live_plan: bool = False
 
   def __repr__(self) -> str:
     return f"<layer kind {self.name!r}>"
@@ -443,7 +447,8 @@ class LayerKind(abc.ABC):
           f"{self.stats_type.__name__}: the optimizer laid the layer out as a {self.name!r} "
           f"layer{f' stack {spec.stack}' if spec.stack else ''} from its parameter shapes "
           "alone, which do not say how the model applies it (a kernel without bias of "
-          "nn.DenseGeneral, nn.Einsum, a 1-D/3-D or grouped convolution). Give the optimizer "
+          "nn.DenseGeneral, nn.Einsum, a 1-D/3-D or grouped convolution, a kernel applied "
+          "transposed such as GPT-2's Conv1D). Give the optimizer "
           "the capture's layout: layers=thor_optax.captured_layers(stats), with stats from "
           "jax.eval_shape of the capture (README, 'Transformers').")
 

@@ -1,0 +1,353 @@
+"""Modules of no Flax layer class whose call is a product by their own kernel (the ``'matmul'``
+kind): Hugging Face's GPT-2 ``Conv1D`` (kernel stored ``(d_out, d_in)``, transposed before the
+product) and hand-written ``x @ self.param('kernel', ...)`` layers.
+
+References are the same models written with ``nn.Dense`` (kernels transposed where the module
+stores them so), whose factors the dense-reference tests check against explicit Kronecker
+products; float64. Calls that do more than the product are listed with the reason.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import thor_optax
+from thor_optax.flax import value_and_grad_with_stats
+
+import reference
+from reference import F64, float64_mode, randn, softmax_ce  # pylint: disable=unused-import
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+N, T, D, K = 3, 4, 5, 3
+DAMPING = 0.01
+
+
+class Conv1D(nn.Module):
+  """GPT-2's dense layer as Hugging Face writes it: kernel ``(features, d_in)``, cast and
+  transposed, ``lax.dot_general``, the bias added after."""
+  features: int
+  use_bias: bool = True
+  dtype: jnp.dtype = F64
+
+  @nn.compact
+  def __call__(self, inputs):
+    inputs = jnp.asarray(inputs, self.dtype)
+    kernel = self.param("kernel", nn.initializers.normal(0.2), (self.features, inputs.shape[-1]))
+    kernel = jnp.asarray(kernel.transpose(), self.dtype)
+    y = jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())))
+    if self.use_bias:
+      y = y + jnp.asarray(self.param("bias", nn.initializers.zeros, (self.features,)), self.dtype)
+    return y
+
+
+class Projection(nn.Module):
+  """A hand-written projection ``x @ kernel``, kernel ``(d_in, features)``, no bias."""
+  features: int
+
+  @nn.compact
+  def __call__(self, x):
+    return x @ self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
+
+
+def layer(features, name, kind, use_bias=True):
+  """A ``Conv1D`` (``kind='conv1d'``), a :class:`Projection` (``'projection'``, no bias) or the
+  ``nn.Dense`` they equal (``'dense'``)."""
+  if kind == "conv1d":
+    return Conv1D(features, use_bias=use_bias, name=name)
+  if kind == "projection":
+    return Projection(features, name=name)
+  return nn.Dense(features, use_bias=use_bias, name=name, param_dtype=F64)
+
+
+class Mixed(nn.Module):
+  """Conv1D with and without bias (a square one), a projection, ``tanh`` between them."""
+  kind: str = "conv1d"
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(layer(6, "c_fc", self.kind)(x))
+    h = jnp.tanh(layer(6, "c_sq", self.kind)(h))
+    h = jnp.tanh(layer(4, "proj", "projection" if self.kind != "dense" else "dense",
+                       use_bias=False)(h))
+    return layer(K, "head", self.kind, use_bias=False)(h)
+
+
+class Block(nn.Module):
+  """A residual MLP block, ``(carry, _) -> (carry, None)``."""
+  kind: str
+
+  @nn.compact
+  def __call__(self, h, _):
+    return h + layer(D, "c_proj", self.kind)(jnp.tanh(layer(8, "c_fc", self.kind)(h))), None
+
+
+class Scanned(nn.Module):
+  """``nn.scan(nn.remat(Block))`` over two layers, and a layer called twice (shared)."""
+  kind: str = "conv1d"
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                    split_rngs={"params": True}, length=2)
+    h, _ = stack(self.kind, name="blocks")(x, None)
+    shared = layer(D, "shared", self.kind)
+    return layer(K, "head", self.kind)(jnp.tanh(shared(h)) + shared(jnp.flip(h, 1)))
+
+
+class Cell(nn.RNNCellBase):
+  """``c' = tanh(ih(x) + hh(c))`` with Conv1D or Dense layers."""
+  kind: str
+
+  @nn.compact
+  def __call__(self, c, x):
+    c = jnp.tanh(layer(4, "ih", self.kind)(x) + layer(4, "hh", self.kind)(c))
+    return c, c
+
+  def initialize_carry(self, rng, input_shape):
+    return jnp.zeros(input_shape[:-1] + (4,), F64)
+
+  @property
+  def num_feature_axes(self):
+    return 1
+
+
+class Recurrent(nn.Module):
+  """``nn.RNN`` over a cell of Conv1D layers (one weight at every time step)."""
+  kind: str = "conv1d"
+
+  @nn.compact
+  def __call__(self, x):
+    return layer(K, "head", self.kind)(nn.RNN(Cell(self.kind), name="rnn")(x))
+
+
+def as_dense(tree):
+  """A tree of the Conv1D models' leaves (parameters or updates) as the ``nn.Dense`` model's:
+  every Conv1D kernel transposed (on its last two axes, after a stack's)."""
+  def convert(path, leaf):
+    names = [str(getattr(k, "key", k)) for k in path]
+    return jnp.swapaxes(leaf, -1, -2) if names[-1] == "kernel" and names[-2] != "proj" else leaf
+  return jax.tree_util.tree_map_with_path(convert, tree)
+
+
+TRANSFORMS = {
+    "kfac": lambda layers: thor_optax.scale_by_kfac(DAMPING, ema_decay=None, layers=layers),
+    "thor_b4": lambda layers: thor_optax.scale_by_thor(DAMPING, block_size=4,
+                                                       trace_thresholds=(0.0, 0.0),
+                                                       layers=layers),
+    "eigh": lambda layers: thor_optax.scale_by_kfac(DAMPING, ema_decay=None,
+                                                    inverse_method="eigh", layers=layers),
+}
+
+
+def _update(model, params, x, y, make_tx, captured):
+  (_, grads), stats = reference.capture(model, softmax_ce)(params, x, y)
+  tx = make_tx(thor_optax.captured_layers(stats) if captured else None)
+  updates = jax.jit(lambda g, s, p, st: tx.update(g, s, p, curvature_stats=st)[0])(
+      grads, tx.init(params), params, stats)
+  return updates, grads, stats
+
+
+def _assert_close(got, want, atol=1e-13):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def _batch(seed, shape=(N, T, D)):
+  x = jnp.asarray(randn(seed, shape))
+  y = jnp.asarray(np.random.default_rng(seed + 1).integers(0, K, shape[:-1]))
+  return x, y
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_conv1d_and_projection_equal_the_dense_model(name):
+  x, y = _batch(0)
+  params = reference.init_params(Mixed(), x)
+  got, grads, stats = _update(Mixed(), params, x, y, TRANSFORMS[name], captured=True)
+  assert not stats.unhandled
+  kinds = {k: type(v).__name__ for k, v in stats.layers.items()}
+  assert kinds == {"c_fc": "MatmulStats", "c_sq": "MatmulStats", "proj": "DenseStats",
+                   "head": "MatmulStats"}
+  want, _, _ = _update(Mixed("dense"), as_dense(params), x, y, TRANSFORMS[name], captured=False)
+  _assert_close(as_dense(got), want)
+  assert float(jnp.abs(got["c_fc"]["kernel"] + grads["c_fc"]["kernel"]).max()) > 1e-2
+
+
+@pytest.mark.parametrize("model", [Scanned, Recurrent])
+def test_scanned_shared_and_recurrent_conv1d_equal_the_dense_model(model):
+  """A scanned ``nn.remat`` stack (its own factors per layer), a layer called twice (its uses
+  joined) and an ``nn.RNN`` cell (K-FAC-reduce over the time steps), with the ``thor`` and
+  ``kfac`` aliases."""
+  x, y = _batch(2)
+  params = reference.init_params(model(), x)
+  for make in (lambda layers: thor_optax.thor(0.1, 0.03, layers=layers),
+               lambda layers: thor_optax.kfac(0.1, 0.03, layers=layers)):
+    got, _, stats = _update(model(), params, x, y, make, captured=True)
+    assert not stats.unhandled
+    want, _, _ = _update(model("dense"), as_dense(params), x, y, make, captured=False)
+    _assert_close(as_dense(got), want)
+
+
+@pytest.mark.filterwarnings("error:gradient_stats. the gradients")  # no silent fallback
+def test_plain_step_from_the_rows_equals_the_dense_model():
+  """``gradient_stats=``: the transposed kernel's update in sample space, from the rows."""
+  x, y = _batch(4, (N, 40))
+  model = Mixed()
+  params = reference.init_params(model, x)
+
+  def run(model, params, captured):
+    capture = value_and_grad_with_stats(model, softmax_ce)  # in the step's trace
+    _, stats = jax.eval_shape(capture, params, x, y)
+    tx = thor_optax.scale_by_thor(0.05, block_size=8,
+                                  layers=thor_optax.captured_layers(stats) if captured else None)
+
+    @jax.jit
+    def steps(params):
+      (_, grads), stats = capture(params, x, y)
+      state = tx.update(grads, tx.init(params), params, curvature_stats=stats)[1]
+      return (tx.update(grads, state, params)[0],
+              tx.update(grads, state, params, gradient_stats=stats)[0])
+    return steps(params)
+
+  block, rows = run(model, params, True)
+  _assert_close(rows, block, atol=1e-12)
+  want_block, want_rows = run(Mixed("dense"), as_dense(params), False)
+  _assert_close(as_dense(rows), want_rows, atol=1e-12)
+
+
+@pytest.mark.parametrize("features", [D, 6])  # square kernel (taken for a Dense), and not
+def test_transposed_kernel_without_the_captured_layout_says_what_to_do(features):
+  class One(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Conv1D(K)(jnp.tanh(Conv1D(features)(x)))
+
+  x, y = _batch(5)
+  params = reference.init_params(One(), x)
+  with pytest.raises(ValueError, match=r"layers=thor_optax.captured_layers\(stats\)"):
+    _update(One(), params, x, y, TRANSFORMS["kfac"], captured=False)
+
+
+class Scaled(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return x @ (2.0 * self.param("kernel", nn.initializers.normal(), (x.shape[-1], D)))
+
+
+class Activated(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tanh(x @ self.param("kernel", nn.initializers.normal(), (x.shape[-1], D)))
+
+
+class Residual(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return x + x @ self.param("kernel", nn.initializers.normal(), (x.shape[-1], D))
+
+
+class Twice(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.normal(), (x.shape[-1], D))
+    return x @ kernel @ kernel
+
+
+class BiasFirst(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    bias = self.param("bias", nn.initializers.normal(), (D,))
+    return (x + bias) @ self.param("kernel", nn.initializers.normal(), (D, D))
+
+
+class BiasOverPositions(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):  # (N, T, D) @ (D, T): a bias per position, not per feature
+    kernel = self.param("kernel", nn.initializers.normal(), (x.shape[-1], T))
+    return x @ kernel + self.param("bias", nn.initializers.normal(), (T,)).reshape(T, 1)
+
+
+class OverPositions(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):  # mixes the positions: (N, T, D) -> (N, D, D)
+    return jnp.swapaxes(x, 1, 2) @ self.param("kernel", nn.initializers.normal(), (T, D))
+
+
+class NeedsArgument(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, scale):
+    return scale * (x @ self.param("kernel", nn.initializers.normal(), (x.shape[-1], D)))
+
+
+class Quantized(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.normal(), (x.shape[-1], D))
+    return x.astype(jnp.int8).astype(x.dtype) @ kernel
+
+
+NOT_A_PRODUCT = {Scaled: "applies mul to the kernel", Activated: "applies tanh to the product",
+                 Residual: "applies add to the input and product",
+                 Twice: "applies dot_general to the kernel and product",
+                 BiasFirst: "applies add to the bias and input",
+                 BiasOverPositions: "lays the bias (4,) out as (4, 1)",
+                 OverPositions: "applies transpose to the input",
+                 NeedsArgument: "takes arguments besides its input (scale)",
+                 Quantized: "casts the input to int8"}
+
+
+@pytest.mark.parametrize("cls", list(NOT_A_PRODUCT), ids=lambda c: c.__name__)
+def test_a_call_that_is_more_than_the_product_is_listed(cls):
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = cls(name="layer")(x, 0.5) if cls is NeedsArgument else cls(name="layer")(x)
+      logits = nn.Dense(K, param_dtype=F64, name="head")(h.reshape(N, -1))
+      return jnp.broadcast_to(logits[:, None], (N, T, K))
+
+  x, y = _batch(6)
+  params = reference.init_params(Model(), x)
+  (_, grads), stats = reference.capture(Model(), softmax_ce)(params, x, y)
+  assert set(stats.layers) == {"head"}
+  (reason,) = [note for note in stats.unhandled if note.startswith("layer: ")]
+  assert NOT_A_PRODUCT[cls] in reason and "register_layer_kind" in reason, reason
+  tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None)
+  with pytest.warns(UserWarning, match="layer: "):
+    updates = tx.update(grads, tx.init(params), params, curvature_stats=stats)[0]
+  _assert_close(updates["layer"], grads["layer"], atol=0)  # passes through
+
+
+def test_conv1d_keys_of_attention_are_expanded_under_a_per_example_loss():
+  """A classifier whose hand-written attention has Conv1D query, key and value: ``'auto'``
+  folds the positions of every layer but the key (K-FAC-reduce: one row per example), and
+  the key's reduced cotangents would be zero."""
+
+  class Classifier(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      q, k, v = (Conv1D(4, name=n)(x) for n in ("query", "key", "value"))
+      weights = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / 2.0)
+      h = Conv1D(D, name="out")(jnp.einsum("bqk,bkd->bqd", weights, v))
+      return Conv1D(K, name="head")(h.mean(1))
+
+  x = jnp.asarray(randn(7, (N, T, D)))
+  y = jnp.asarray(np.arange(N) % K)
+  params = reference.init_params(Classifier(), x)
+  (_, _), stats = reference.capture(Classifier(), softmax_ce)(params, x, y)
+  rows = {k: v.inputs.shape[:-1] for k, v in stats.layers.items()}
+  assert rows == {"query": (N,), "value": (N,), "out": (N,), "head": (N,), "key": (N, T)}
+  reduced = stats.layers["key"].cotangents.sum(axis=2)
+  assert float(jnp.abs(reduced).max()) < 1e-14 * float(jnp.abs(stats.layers["key"].cotangents)
+                                                        .max())
