@@ -176,6 +176,45 @@ def test_conv1d_and_projection_equal_the_dense_model(name):
   assert float(jnp.abs(got["c_fc"]["kernel"] + grads["c_fc"]["kernel"]).max()) > 1e-2
 
 
+class SimpleDense(nn.Module):
+  """Flax's guide style with ``setup``: ``jnp.dot(x, self.w) + self.b``, leaves ``w``, ``b``."""
+  in_features: int
+  features: int
+
+  def setup(self):
+    self.w = self.param("w", nn.initializers.lecun_normal(), (self.in_features, self.features))
+    self.b = self.param("b", nn.initializers.zeros, (self.features,))
+
+  def __call__(self, x):
+    return jnp.dot(x, self.w) + self.b
+
+
+class Named(nn.Module):
+  dense: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    first = (nn.Dense(6, param_dtype=F64, name="first") if self.dense
+             else SimpleDense(D, 6, name="first"))
+    return nn.Dense(K, param_dtype=F64, name="head")(jnp.tanh(first(x)))
+
+
+def test_weights_of_other_names_equal_the_dense_model():
+  """Leaves ``w`` / ``b`` applied as stored: :class:`MatmulStats` naming them; the update
+  equals ``nn.Dense``'s on the same values (``kernel`` / ``bias``)."""
+  x, y = _batch(3)
+  params = reference.init_params(Named(), x)
+  got, _, stats = _update(Named(), params, x, y, TRANSFORMS["thor_b4"], captured=True)
+  assert not stats.unhandled
+  first = stats.layers["first"]
+  assert (type(first).__name__, first.transposed, first.weight, first.bias) == (
+      "MatmulStats", False, "w", "b")
+  renamed = {**params, "first": {"kernel": params["first"]["w"], "bias": params["first"]["b"]}}
+  want, _, _ = _update(Named(True), renamed, x, y, TRANSFORMS["thor_b4"], captured=False)
+  _assert_close({**got, "first": {"kernel": got["first"]["w"], "bias": got["first"]["b"]}},
+                want)
+
+
 @pytest.mark.parametrize("model", [Scanned, Recurrent])
 def test_scanned_shared_and_recurrent_conv1d_equal_the_dense_model(model):
   """A scanned ``nn.remat`` stack (its own factors per layer), a layer called twice (its uses
@@ -298,9 +337,9 @@ class Quantized(nn.Module):
     return x.astype(jnp.int8).astype(x.dtype) @ kernel
 
 
-NOT_A_PRODUCT = {Scaled: "applies mul to the kernel", Activated: "applies tanh to the product",
+NOT_A_PRODUCT = {Scaled: "applies mul to the weight", Activated: "applies tanh to the product",
                  Residual: "applies add to the input and product",
-                 Twice: "applies dot_general to the kernel and product",
+                 Twice: "applies dot_general to the product and weight",
                  BiasFirst: "applies add to the bias and input",
                  BiasOverPositions: "lays the bias (4,) out as (4, 1)",
                  OverPositions: "applies transpose to the input",

@@ -504,14 +504,16 @@ def _check_gradient_matrix(kind, spec, leaves, layer_stats, shapes):
 
 
 class Projection(nn.Module):
-  """``y = x @ w`` with ``w`` of shape ``(d_in, features)``: no built-in kind claims it."""
+  """``y = x @ w`` with ``w`` of shape ``(d_in, features)`` and a call-time ``precision``: no
+  built-in kind takes it (the ``'matmul'`` kind lists a call with arguments besides its
+  input)."""
 
   features: int
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, precision=None):
     w = self.param("w", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
-    return x @ w
+    return jnp.matmul(x, w, precision=precision)
 
 
 class ProjectionKind(thor_layers.Dense):
@@ -558,8 +560,9 @@ def test_user_kind_is_unhandled_until_registered():
   model, x, y, params = _projection_batch()
   (_, _), stats = value_and_grad_with_stats(model, softmax_ce)(params, x, y)
   assert set(stats.layers) == {"head"}
-  assert stats.unhandled == ("proj: module kind not supported (parameter 'w' passes through "
-                             "unpreconditioned; thor_optax.register_layer_kind can take it)",)
+  assert stats.unhandled == ("proj: Projection holds a weight, but its call takes arguments "
+                             "besides its input (precision), which may change what it computes; "
+                             "register a layer kind for it (thor_optax.register_layer_kind)",)
   assert [spec.name for spec in blocks.build_layout(params, None).layers] == ["head"]
 
 

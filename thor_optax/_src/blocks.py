@@ -231,7 +231,8 @@ def build_layout(tree: Any, block_size: Optional[int],
     if captured is None or hint is not None:
       found = claim_stacked(path, shapes, hint)
     if found is not None:
-      layers_lib.check_claim(found[0], path, shapes, found[1])
+      layers_lib.check_claim(found[0], path, shapes, found[1],
+                             tuple(hint[1]) if hint is not None else ())
       claimed.append((path, shapes, hint, found))
   pad_small = _pads_small_factors(
       [(dim, math.prod(found[2]) * found[1].groups) for _, _, _, found in claimed

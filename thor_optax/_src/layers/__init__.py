@@ -112,11 +112,12 @@ def _check_kind_attributes(kind: base.LayerKind) -> None:
 
 
 def check_claim(kind: base.LayerKind, path: tuple[str, ...], shapes: Mapping[str, tuple],
-                found: Any) -> None:
+                found: Any, hint: tuple = ()) -> None:
   """Raises ``TypeError`` / ``ValueError`` naming the kind and the layer when a claim is not a
   :class:`Claim`, or names factor dimensions that do not fit the kind's weight leaf as a
   ``(d_in (+1 bias), d_out)`` matrix (a user kind whose ``claim`` swapped them, or whose
-  ``weight`` names no leaf)."""
+  ``weight`` names no leaf); ``hint``: the capture's, which may name the leaves
+  (:meth:`LayerKind.leaf_names`)."""
   where = (f"layer kind {kind.name!r} ({type(kind).__name__}) claimed layer "
            f"{'/'.join(map(str, path)) or '(root)'} with leaves {dict(shapes)}")
   if not isinstance(found, base.Claim):
@@ -124,8 +125,9 @@ def check_claim(kind: base.LayerKind, path: tuple[str, ...], shapes: Mapping[str
                     f"{found!r}.")
   if found.a_dim is None and found.g_dim is None:
     return
-  if kind.weight not in shapes:
-    raise ValueError(f"{where}: its weight leaf {kind.weight!r} is not among them; set the "
+  weight = kind.leaf_names(hint)[0]
+  if weight not in shapes:
+    raise ValueError(f"{where}: its weight leaf {weight!r} is not among them; set the "
                      "kind's weight attribute to the name of the leaf it owns.")
 
 

@@ -193,8 +193,10 @@ class LayerSpec:
 
   @property
   def kernel_shape(self) -> tuple[int, ...]:
-    """Shape of the kind's weight leaf (``kernel``, ``embedding``, or ``scale``/``bias``)."""
-    return self.shape(self.kind.weight) or self.shape("bias")
+    """Shape of the kind's weight leaf (``kernel``, ``embedding``, or ``scale``/``bias``;
+    :meth:`LayerKind.leaf_names`)."""
+    weight, bias = self.kind.leaf_names(self.hint)
+    return self.shape(weight) or self.shape(bias)
 
   @property
   def split(self) -> int:
@@ -204,9 +206,9 @@ class LayerSpec:
 
   @property
   def has_bias(self) -> bool:
-    """Whether a ``bias`` leaf with one entry per output of the weight sits beside it (its
-    kind's claim checked its shape)."""
-    bias = self.shape("bias")
+    """Whether a ``bias`` leaf (:meth:`LayerKind.leaf_names`) with one entry per output of the
+    weight sits beside it (its kind's claim checked its shape)."""
+    bias = self.shape(self.kind.leaf_names(self.hint)[1])
     return bias is not None and math.prod(bias) == self.d_out
 
   @property
@@ -406,6 +408,13 @@ class LayerKind(abc.ABC):
     del hint
     return self.claim(path, shapes)
 
+  def leaf_names(self, hint: tuple) -> tuple[str, Optional[str]]:
+    """``(weight leaf, bias leaf)`` names of a layer's parameters, given the capture's
+    :meth:`hint` of its statistics (``()`` for a layout from shapes alone). Default:
+    :attr:`weight` and ``'bias'``; a kind whose names are in the hint overrides it."""
+    del hint
+    return self.weight, "bias"
+
   def hint(self, stats: Any) -> tuple:
     """Static facts of one layer's statistics that fix its claim (a hashable tuple; default
     ``()``), for :meth:`claim_captured`."""
@@ -443,7 +452,8 @@ class LayerKind(abc.ABC):
     if not isinstance(stats, self.stats_type):
       raise ValueError(
           f"the statistics (curvature_stats or gradient_stats) for layer {spec.name!r} "
-          f"({spec.kind.weight} shape {spec.kernel_shape}): got {type(stats).__name__}, expected "
+          f"({self.leaf_names(spec.hint)[0]} shape {spec.kernel_shape}): got "
+          f"{type(stats).__name__}, expected "
           f"{self.stats_type.__name__}: the optimizer laid the layer out as a {self.name!r} "
           f"layer{f' stack {spec.stack}' if spec.stack else ''} from its parameter shapes "
           "alone, which do not say how the model applies it (a kernel without bias of "

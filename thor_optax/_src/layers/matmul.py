@@ -1,25 +1,27 @@
-"""Modules of any class whose call is a matrix product of the input by their own ``kernel``.
+"""Modules of any class whose call is a matrix product of the input by their own weight.
 
-Model libraries write dense layers of their own: Hugging Face's Flax GPT-2 applies a
-``FlaxConv1D`` whose ``kernel`` is stored ``(d_out, d_in)``, the PyTorch layout, and transposed
-before ``lax.dot_general``; hand-written models apply ``x @ self.param('kernel', ...)``. Such a
-linen module has no Flax class for a kind to match, so this kind recognises it from what its
-call computes: a module whose own parameters are one rank-2 ``kernel`` (and an optional rank-1
-``bias``) is traced alone, on the shapes of the call's input, and captured when its jaxpr is,
-up to dtype casts, ``dot_general(x, kernel or kernel.T) (+ bias)`` contracting the input's last
-axis (:func:`layout`). Anything else in the call (a scale, an activation, a second use of the
-input or the weight) lists the module with the reason: the weight it applies would not be its
-parameter, or the layer would be more than the product K-FAC's factors describe.
+Model libraries and tutorials write dense layers of their own: Hugging Face's Flax GPT-2
+applies a ``FlaxConv1D`` whose ``kernel`` is stored ``(d_out, d_in)``, the PyTorch layout, and
+transposed before ``lax.dot_general``; Flax's guides write ``jnp.dot(x, self.param('kernel',
+...)) + bias`` or ``x @ self.w + self.b``. Such a module has no Flax class for a kind to match,
+so this kind recognises it from what its call computes: a linen module whose own parameters are
+one rank-2 weight and an optional rank-1 bias, of any names, is traced alone on the shape of the
+call's input, and captured when its jaxpr is, up to float casts, ``dot_general(x, w or w.T)
+(+ b)`` contracting the input's last axis (:func:`layout`). Anything else in the call (a scale,
+an activation, a second use of the input or the weight) lists the module with the reason: the
+weight it applies would not be its parameter, or the layer would be more than the product
+K-FAC's factors describe.
 
-A kernel applied as stored, ``(d_in, d_out)``, is a dense layer: its statistics are
-:class:`~thor_optax._src.layers.dense.DenseStats` and :mod:`dense` lays it out from its shapes,
-as ``nn.Dense``'s. A kernel applied transposed, ``(d_out, d_in)``, has :class:`MatmulStats`:
-its shapes alone do not say which axis is the input (a square ``(d, d)`` one least of all), so
-it is laid out only from the capture's statistics, ``layers=thor_optax.captured_layers(stats)``
-(the first check step raises otherwise, saying so). Its factors are a dense layer's on the
-kernel's transpose.
+A weight named ``kernel`` applied as stored, ``(d_in, d_out)``, with a bias named ``bias`` if
+any, is ``nn.Dense``'s layer: its statistics are
+:class:`~thor_optax._src.layers.dense.DenseStats` and :mod:`dense` lays it out from its shapes.
+Any other (applied transposed, or named otherwise) has :class:`MatmulStats`, whose static
+fields say which leaf is the weight and whether it is transposed: its shapes alone do not say
+which axis is the input (a square ``(d, d)`` one least of all), so it is laid out only from the
+capture's statistics, ``layers=thor_optax.captured_layers(stats)`` (the first check step raises
+otherwise, saying so). Its factors are a dense layer's on the weight as ``(d_in, d_out)``.
 
-Linen only: an NNX module's parameters are attributes of any name, read in any method.
+Linen only: the NNX capture intercepts the classes of registered kinds, and this kind has none.
 
 References:
   Martens & Grosse, K-FAC, ICML 2015, section 3 (dense factors).
@@ -44,29 +46,35 @@ from thor_optax._src.layers import dense
 
 _CASTS = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"})
-_WORDS = {"x": "input", "kernel": "kernel", "bias": "bias", "y": "product", "y+b": "output"}
+_WORDS = {"x": "input", "kernel": "weight", "bias": "bias", "y": "product", "y+b": "output"}
 _tracing = threading.local()  # set while a module's call is traced alone (no kind matches)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MatmulStats:
-  """Statistics of a module applying its ``kernel`` ``(d_out, d_in)`` transposed:
-  ``y = x @ kernel.T (+ bias)``.
+  """Statistics of a module ``y = x @ w (+ b)`` or ``x @ w.T (+ b)`` that ``nn.Dense``'s layout
+  does not describe (a weight applied transposed, or leaves not named ``kernel`` / ``bias``).
 
   Attributes:
     inputs: layer input ``a``, ``(N, ..., d_in)``; axis 0 indexes examples, further leading
       axes are positions sharing the weight.
     cotangents: output cotangents of one loss term, ``(S, N, ..., d_out)``.
+    transposed: whether the weight is stored ``(d_out, d_in)`` and applied transposed (static).
+    weight: the weight leaf's name (static).
+    bias: the bias leaf's name, or ``None`` without one (static).
     num_terms: the ``M`` loss terms ``A`` divides by when the leading axis is not them
       (static), as :class:`~thor_optax._src.layers.dense.DenseStats`'.
 
   Source: Martens & Grosse, K-FAC, ICML 2015 (``a``, ``g``); a type apart from ``DenseStats``
-  so that a transposed kernel is never read as a stored one (this project).
+  so that such a weight is never read as ``nn.Dense``'s (this project).
   """
 
   inputs: jax.Array
   cotangents: jax.Array
+  transposed: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  weight: str = dataclasses.field(default="kernel", metadata=dict(static=True))
+  bias: Optional[str] = dataclasses.field(default=None, metadata=dict(static=True))
   num_terms: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
 
 
@@ -88,9 +96,9 @@ def _params(module: nn.Module) -> dict:
   return {k: nn.meta.unbox(v) for k, v in params.items() if not str(k).startswith("~thor")}
 
 
-def own_weight(module: Any) -> Optional[tuple[tuple[int, ...], Optional[tuple[int, ...]]]]:
-  """``(kernel shape, bias shape or None)`` of a bound linen module whose own parameters are a
-  rank-2 ``kernel`` and optionally a ``bias`` of one of its dimensions, with no submodule
+def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
+  """``(weight name, bias name or None)`` of a bound linen module whose own parameters are one
+  rank-2 weight and at most one rank-1 bias of one of its dimensions, with no submodule
   parameters; ``None`` otherwise."""
   if not isinstance(module, nn.Module) or getattr(module, "scope", None) is None:
     return None
@@ -98,34 +106,35 @@ def own_weight(module: Any) -> Optional[tuple[tuple[int, ...], Optional[tuple[in
     leaves = _params(module)
   except Exception:  # pylint: disable=broad-except  # a scope Flax invalidated
     return None
-  if not leaves or set(leaves) - {"kernel", "bias"}:
-    return None
   if not all(hasattr(v, "shape") for v in leaves.values()):
     return None
-  kernel, bias = leaves.get("kernel"), leaves.get("bias")
-  if kernel is None or kernel.ndim != 2:
+  weights = [k for k, v in leaves.items() if v.ndim == 2]
+  biases = [k for k, v in leaves.items() if v.ndim == 1]
+  if len(weights) != 1 or len(biases) > 1 or len(weights) + len(biases) != len(leaves):
     return None
-  if bias is not None and (bias.ndim != 1 or bias.shape[0] not in kernel.shape):
+  weight, bias = weights[0], (biases[0] if biases else None)
+  if bias is not None and leaves[bias].shape[0] not in leaves[weight].shape:
     return None
-  return tuple(kernel.shape), (None if bias is None else tuple(bias.shape))
+  return weight, bias
 
 
 def layout(module: nn.Module, input_shape: tuple[int, ...]) -> tuple[Optional[bool], str]:
-  """``(transposed, '')`` when ``module``'s call on an input of ``input_shape`` is
-  ``x @ kernel (+ bias)`` (``transposed=False``) or ``x @ kernel.T (+ bias)`` (``True``),
-  else ``(None, reason)``.
+  """``(transposed, '')`` when the call of ``module`` (matched by :func:`own_weight`) on an input
+  of ``input_shape`` is ``x @ w (+ b)`` (``transposed=False``) or ``x @ w.T (+ b)``
+  (``True``), else ``(None, reason)``.
 
   The module, unbound, is traced alone on abstract values (no FLOPs); its jaxpr may cast the
-  input, kernel and bias to floating dtypes, transpose the kernel, reshape or broadcast the
+  input, weight and bias to floating dtypes, transpose the weight, reshape or broadcast the
   bias, and call ``jit`` bodies, and nothing else touches them (:func:`_walk`). A ``__call__``
   taking arguments besides the input is not traced: what the call computes could depend on
   them (a ``deterministic`` flag turning dropout on)."""
   extra = list(inspect.signature(type(module).__call__).parameters)[2:]
   if extra:
-    return None, (f"{type(module).__name__} holds a kernel, but its call takes arguments "
+    return None, (f"{type(module).__name__} holds a weight, but its call takes arguments "
                   f"besides its input ({', '.join(extra)}), which may change what it computes; "
                   "register a layer kind for it (thor_optax.register_layer_kind)")
   params = _params(module)
+  weight, bias = own_weight(module)
   names = sorted(params)
   copy = module.clone(parent=None)
 
@@ -137,29 +146,29 @@ def layout(module: nn.Module, input_shape: tuple[int, ...]) -> tuple[Optional[bo
     with _alone():
       closed = jax.make_jaxpr(call)(structs, jax.ShapeDtypeStruct(input_shape, jnp.float32))
   except Exception as e:  # pylint: disable=broad-except  # any failure lists the module
-    return None, (f"{type(module).__name__} holds a kernel but its call could not be traced "
+    return None, (f"{type(module).__name__} holds a weight but its call could not be traced "
                   f"alone on its input ({type(e).__name__}: {str(e)[:120]}); register a layer "
                   "kind for it (thor_optax.register_layer_kind)")
   jaxpr = closed.jaxpr
-  tags = {v: (("kernel", False) if n == "kernel" else ("bias",))
+  tags = {v: (("kernel", False) if n == weight else ("bias",))
           for v, n in zip(jaxpr.invars, names)}
   tags[jaxpr.invars[-1]] = ("x",)
   why = _walk(jaxpr, tags, len(input_shape))
   out = [tags.get(v) if isinstance(v, jax.extend.core.Var) else None for v in jaxpr.outvars]
-  want = "y+b" if "bias" in params else "y"
+  want = "y" if bias is None else "y+b"
   if not why and any(t and t[0] in ("kernel", "bias") for t in out):
     why = "it returns its parameters, not their product with its input (a fused layer's)"
   elif not why and (len(out) != 1 or out[0] is None or out[0][0] != want):
-    why = f"its output is not the product{' plus the bias' * ('bias' in params)} alone"
+    why = f"its output is not the product{'' if bias is None else ' plus the bias'} alone"
   if why:
-    return None, (f"{type(module).__name__} holds a kernel, but its call is not a matrix "
-                  f"product of its input by it: {why}; register a layer kind for it "
+    return None, (f"{type(module).__name__} holds a weight {weight!r}, but its call is not a "
+                  f"matrix product of its input by it: {why}; register a layer kind for it "
                   "(thor_optax.register_layer_kind)")
   return out[0][1], ""
 
 
 def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
-  """Tags every value of ``jaxpr`` that derives from the input ``('x',)``, the kernel
+  """Tags every value of ``jaxpr`` that derives from the input ``('x',)``, the weight
   ``('kernel', swapped)``, the bias ``('bias',)``, their product ``('y', transposed)`` or the
   product plus the bias ``('y+b', transposed)``; returns why an equation does something else
   to them (``''``: nothing else)."""
@@ -209,24 +218,25 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
 
 class Matmul(dense.Dense):
   """The ``'matmul'`` kind: a linen module of any class (none of Flax's layers, which their own
-  kinds take first) whose own parameters are a rank-2 ``kernel`` and an optional ``bias``, and
-  whose call is ``x @ kernel (+ bias)`` or ``x @ kernel.T (+ bias)`` (:func:`layout`), such as
-  Hugging Face's ``FlaxConv1D``.
+  kinds take first) whose own parameters are one rank-2 weight and an optional rank-1 bias, of
+  any names (:func:`own_weight`), and whose call is ``x @ w (+ b)`` or ``x @ w.T (+ b)``
+  (:func:`layout`): Hugging Face's ``FlaxConv1D``, the ``SimpleDense`` of Flax's guides.
 
-  The factors are :class:`~thor_optax._src.layers.dense.Dense`'s. A product with the kernel as
-  stored gives :class:`~thor_optax._src.layers.dense.DenseStats`, laid out by the ``'dense'``
-  kind; a transposed one :class:`MatmulStats`, laid out only from the capture's statistics
-  (``layers=thor_optax.captured_layers(stats)``): as a matrix the weight is ``kernel.T`` with
-  a bias row last, ``(d_in (+1), d_out)``.
+  The factors are :class:`~thor_optax._src.layers.dense.Dense`'s. A weight named ``kernel``
+  applied as stored (with a bias named ``bias``, if any) gives
+  :class:`~thor_optax._src.layers.dense.DenseStats`, laid out by the ``'dense'`` kind; any
+  other :class:`MatmulStats`, laid out only from the capture's statistics
+  (``layers=thor_optax.captured_layers(stats)``): as a matrix the weight is ``(d_in (+1),
+  d_out)``, ``w`` or ``w.T`` with a bias row last.
 
   Listed in ``CurvatureStats.unhandled`` instead of captured: a call that is not that product
-  alone (the reason names the first other operation), that cannot be traced alone on its input
-  (it needs other arguments or collections), and as for ``Dense``, a 1-D input and shared uses
-  the capture cannot fold.
+  alone (the reason names the first other operation), a ``__call__`` taking arguments besides
+  the input, one that cannot be traced alone on its input (it needs random numbers or other
+  collections), and as for ``Dense``, a 1-D input and shared uses the capture cannot fold.
 
   Raises:
     ValueError: at a check step, naming the layer, for statistics that are not
-      :class:`MatmulStats` or do not fit the kernel ``(d_out, d_in)``.
+      :class:`MatmulStats` or do not fit the weight.
 
   Source: Martens & Grosse, K-FAC, ICML 2015 (the factors); this project (recognising the
   product from the traced call).
@@ -240,8 +250,8 @@ class Matmul(dense.Dense):
   live_plan = True
 
   def matches(self, module: Any) -> bool:
-    """A bound linen module with a rank-2 ``kernel`` of its own (:func:`own_weight`); whether
-    its call is a product is the plan's question (:meth:`plan`)."""
+    """A bound linen module with one rank-2 weight of its own (:func:`own_weight`); whether its
+    call is a product is the plan's question (:meth:`plan`)."""
     return not getattr(_tracing, "on", False) and own_weight(module) is not None
 
   def plan(self, module, methods, input_shape) -> base.Plan:
@@ -249,34 +259,60 @@ class Matmul(dense.Dense):
     if plan.meta is None:
       return plan
     transposed, why = layout(module, tuple(input_shape))
-    return base.Plan(None, why) if transposed is None else base.Plan({"transposed": transposed})
+    if transposed is None:
+      return base.Plan(None, why)
+    weight, bias = own_weight(module)
+    return base.Plan({"transposed": transposed, "weight": weight, "bias": bias})
 
-  def make_stats(self, inputs, cotangents, *, transposed) -> Any:
-    """:class:`MatmulStats` for a transposed kernel, ``DenseStats`` for a stored one."""
-    return (MatmulStats if transposed else dense.DenseStats)(inputs=inputs,
-                                                             cotangents=cotangents)
+  def make_stats(self, inputs, cotangents, *, transposed, weight, bias) -> Any:
+    """``DenseStats`` for ``nn.Dense``'s layout, else :class:`MatmulStats`."""
+    if not transposed and weight == "kernel" and bias in (None, "bias"):
+      return dense.DenseStats(inputs=inputs, cotangents=cotangents)
+    return MatmulStats(inputs=inputs, cotangents=cotangents, transposed=transposed,
+                       weight=weight, bias=bias)
+
+  def hint(self, stats: MatmulStats) -> tuple:
+    return (stats.transposed, stats.weight, stats.bias)
+
+  def leaf_names(self, hint: tuple) -> tuple[str, Optional[str]]:
+    _, weight, bias = hint
+    return weight, bias
 
   def claim(self, path, shapes) -> Optional[base.Claim]:
-    """Never from shapes alone (they do not say that the kernel is applied transposed)."""
+    """Never from shapes alone (they do not say which leaf is the weight, nor its layout)."""
     del path, shapes
     return None
 
   def claim_captured(self, path, shapes, hint) -> Optional[base.Claim]:
-    del path, hint
-    kernel = shapes.get("kernel")
-    if kernel is None or len(kernel) != 2 or not base.bias_fits(shapes, kernel[:1]):
+    del path
+    transposed, weight, bias = hint
+    w = shapes.get(weight)
+    if w is None or len(w) != 2 or set(shapes) != {weight} | ({bias} if bias else set()):
       return None
-    return base.Claim(a_dim=kernel[1] + int("bias" in shapes), g_dim=kernel[0])
+    d_in, d_out = (w[1], w[0]) if transposed else w
+    if bias is not None and tuple(shapes[bias]) != (d_out,):
+      return None
+    return base.Claim(a_dim=d_in + int(bias is not None), g_dim=d_out)
 
   def matrix_dims(self, spec: base.LayerSpec) -> tuple[int, int]:
-    d_out, d_in = spec.kernel_shape
-    return d_in, d_out
+    transposed, weight, _ = spec.hint
+    rows, cols = spec.shape(weight)
+    return (cols, rows) if transposed else (rows, cols)
 
-  def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
-    return kernel.T
+  def to_matrix(self, spec, leaves, dtype) -> jax.Array:
+    transposed, weight, bias = spec.hint
+    x = (leaves[weight].T if transposed else leaves[weight]).astype(dtype)
+    if bias is not None:
+      x = jnp.concatenate([x, leaves[bias].reshape(1, -1).astype(dtype)], axis=0)
+    return x
 
-  def kernel_from_matrix(self, matrix: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    return matrix.T.reshape(shape)
+  def from_matrix(self, spec, matrix, leaves) -> dict[str, jax.Array]:
+    transposed, weight, bias = spec.hint
+    w = matrix[:spec.d_in]
+    out = {weight: (w.T if transposed else w).astype(leaves[weight].dtype)}
+    if bias is not None:
+      out[bias] = matrix[spec.d_in].astype(leaves[bias].dtype)
+    return out
 
   def check_stats(self, spec, stats) -> None:
     base.LayerKind.check_stats(self, spec, stats)
