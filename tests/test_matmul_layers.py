@@ -337,13 +337,57 @@ class Quantized(nn.Module):
     return x.astype(jnp.int8).astype(x.dtype) @ kernel
 
 
+class DtypeBranch(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):  # the traced call sees the input's own dtype (float64 here)
+    kernel = self.param("kernel", nn.initializers.normal(), (x.shape[-1], D))
+    return x @ (2.0 * kernel if x.dtype == jnp.float64 else kernel)
+
+
+class Float8(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.normal(), (x.shape[-1], D))
+    return x @ kernel.astype(jnp.float8_e4m3fn).astype(x.dtype)
+
+
+class TupleOutput(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return (x @ self.param("kernel", nn.initializers.normal(), (x.shape[-1], D)),)
+
+
+class TupleInput(nn.Module):
+
+  @nn.compact
+  def __call__(self, xs):
+    x, shift = xs
+    return x @ self.param("kernel", nn.initializers.normal(), (x.shape[-1], D)) + shift
+
+
+class ShapeBranch(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):  # called on (N, T, D) and on (N, D): only the second is a product
+    y = x @ self.param("kernel", nn.initializers.normal(), (x.shape[-1], D))
+    return jnp.tanh(y) if x.ndim == 3 else y
+
+
 NOT_A_PRODUCT = {Scaled: "applies mul to the weight", Activated: "applies tanh to the product",
                  Residual: "applies add to the input and product",
                  Twice: "applies dot_general to the product and weight",
                  BiasFirst: "applies add to the bias and input",
                  BiasOverPositions: "lays the bias (4,) out as (4, 1)",
                  OverPositions: "applies transpose to the input",
-                 NeedsArgument: "takes arguments besides its input (scale)",
+                 NeedsArgument: "module kind not supported",
+                 DtypeBranch: "applies mul to the weight",
+                 Float8: "casts the weight to float8_e4m3fn",
+                 TupleOutput: "its output is not one array",
+                 TupleInput: "a call of it is not on one array",
+                 ShapeBranch: "applies tanh to the product",
                  Quantized: "casts the input to int8"}
 
 
@@ -352,7 +396,17 @@ def test_a_call_that_is_more_than_the_product_is_listed(cls):
   class Model(nn.Module):
     @nn.compact
     def __call__(self, x):
-      h = cls(name="layer")(x, 0.5) if cls is NeedsArgument else cls(name="layer")(x)
+      layer = cls(name="layer")
+      if cls is NeedsArgument:
+        h = layer(x, 0.5)
+      elif cls is TupleOutput:
+        (h,) = layer(x)
+      elif cls is TupleInput:
+        h = layer((x, 1.0))
+      elif cls is ShapeBranch:
+        h = layer(x) + layer(x.mean(1))[:, None]
+      else:
+        h = layer(x)
       logits = nn.Dense(K, param_dtype=F64, name="head")(h.reshape(N, -1))
       return jnp.broadcast_to(logits[:, None], (N, T, K))
 

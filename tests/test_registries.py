@@ -505,8 +505,7 @@ def _check_gradient_matrix(kind, spec, leaves, layer_stats, shapes):
 
 class Projection(nn.Module):
   """``y = x @ w`` with ``w`` of shape ``(d_in, features)`` and a call-time ``precision``: no
-  built-in kind takes it (the ``'matmul'`` kind lists a call with arguments besides its
-  input)."""
+  built-in kind takes it (the ``'matmul'`` kind matches calls of one argument only)."""
 
   features: int
 
@@ -560,9 +559,8 @@ def test_user_kind_is_unhandled_until_registered():
   model, x, y, params = _projection_batch()
   (_, _), stats = value_and_grad_with_stats(model, softmax_ce)(params, x, y)
   assert set(stats.layers) == {"head"}
-  assert stats.unhandled == ("proj: Projection holds a weight, but its call takes arguments "
-                             "besides its input (precision), which may change what it computes; "
-                             "register a layer kind for it (thor_optax.register_layer_kind)",)
+  assert stats.unhandled == ("proj: module kind not supported (parameter 'w' passes through "
+                             "unpreconditioned; thor_optax.register_layer_kind can take it)",)
   assert [spec.name for spec in blocks.build_layout(params, None).layers] == ["head"]
 
 

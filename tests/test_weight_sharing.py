@@ -167,6 +167,51 @@ def test_nnx_tied_embedding_matches_linen():
                              _tied_reference(params, ids, y), rtol=0, atol=1e-12)
 
 
+class TiedIntoHead(nn.Module):
+  """An encoder whose kernel is read again into the input of a later layer (``head``), and a
+  ``Dense`` subclass whose own method reads its kernel (``decode``): neither use reaches the
+  outputs other than through a registered layer's call."""
+
+  @nn.compact
+  def __call__(self, x):
+
+    class Decoding(nn.Dense):
+      def decode(self, h):
+        return h @ self.variables["params"]["kernel"].T
+
+    enc = nn.Dense(6, name="enc")
+    z = jnp.tanh(enc(x))
+    tied = Decoding(6, use_bias=False, name="tied")
+    rec = tied.decode(jnp.tanh(tied(x)))
+    return nn.Dense(K, name="head")(z @ enc.variables["params"]["kernel"].T + rec)
+
+
+def test_a_parameter_read_into_a_later_layer_is_listed():
+  """The forward pass that finds uses outside a layer's calls replaces each call's output by
+  zeros that still depend on the call's inputs: a use feeding a later layer is found (before:
+  its output was constant zeros, so ``enc`` and ``tied`` were captured, their rows giving a
+  wrong gradient). linen and NNX."""
+  x = jnp.asarray(randn(0, (N, D)))
+  y = jnp.arange(N) % K
+  params = reference.init_params(TiedIntoHead(), x)
+  (_, _), stats = reference.capture(TiedIntoHead(), softmax_ce)(params, x, y)
+  listed, captured = _raw_tied_listed(stats)
+  assert listed == {"enc", "tied"} and captured == {"head"}
+
+  class NNXTiedIntoHead(nnx.Module):
+    def __init__(self, rngs):
+      self.enc = nnx.Linear(D, 6, rngs=rngs)
+      self.head = nnx.Linear(D, K, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(jnp.tanh(self.enc(x)) @ self.enc.kernel[...].T)
+
+  (_, _), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(
+      NNXTiedIntoHead(nnx.Rngs(0)), x, y)
+  listed, captured = _raw_tied_listed(stats)
+  assert listed == {"enc"} and captured == {"head"}
+
+
 def test_shared_layer_inside_a_lifted_transform_is_listed():
   """A layer called twice inside ``nn.remat`` (which may trace it more than once) stays
   listed, with the reason."""

@@ -101,6 +101,16 @@ def primary_input(args: tuple, kwargs: dict) -> Any:
   raise ValueError(f"cannot find the input among keyword arguments {sorted(kwargs)}")
 
 
+def one_array_input(args: tuple, kwargs: dict) -> bool:
+  """Whether a call's only argument is one array (positional, or ``inputs=`` / ``x=``)."""
+  if len(args) + len(kwargs) != 1:
+    return False
+  try:
+    return isinstance(primary_input(args, kwargs), jax.Array)
+  except ValueError:
+    return False
+
+
 def unsupported_reasons(leaf_paths: Iterable[tuple[Any, ...]]) -> dict[tuple[Any, ...], str]:
   """``{module path: reason}`` for modules no registered kind takes, naming their parameters
   (a bare ``self.param('pos', ...)`` of the root module shows up as ``(root)``)."""
@@ -347,7 +357,7 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
     first = seen[0]
     kind = first.kind or layers_lib.kind_of_module(first.module)
     methods = tuple(c.method for c in seen)
-    plan = (first.plan if kind.live_plan and first.plan is not None
+    plan = (_live_plan(seen) if kind.live_plan
             else kind.plan(first.module, methods, first.input_shape))
     if plan.meta is None and not plan.reason:
       continue  # no parameters, nothing to precondition
@@ -382,6 +392,19 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
     if path not in captured and path not in unhandled:
       unhandled[path] = reason
   return captured, unhandled
+
+
+def _live_plan(seen: Sequence[Call]) -> layer_base.Plan:
+  """The plan of a :attr:`~thor_optax._src.layers.base.LayerKind.live_plan` kind's module:
+  its calls' own plans, when they agree (one call might compute another product, or none)."""
+  plans = [c.plan for c in seen if c.plan is not None]
+  refused = next((p for p in plans if p.meta is None), None)
+  if refused is not None or not plans:
+    return refused or layer_base.Plan(None, "no call of it was planned")
+  if any(p != plans[0] for p in plans):
+    return layer_base.Plan(None, f"its {len(plans)} calls apply its weight differently "
+                           f"({sorted({str(p.meta) for p in plans})})")
+  return plans[0]
 
 
 def layer_weight_sharing(weight_sharing: str, attention_key: bool) -> str:
@@ -850,6 +873,12 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     kind = layers_lib.kind_of_module(mod)
     if kind is None or method not in kind.methods:
       return out
+    if kind.live_plan and not one_array_input(args, kwargs):
+      transformed.setdefault(tuple(mod.path), (
+          f"{type(mod).__name__} holds a weight, but a call of it is not on one array (given "
+          f"{len(args)} positional and {sorted(kwargs)} keyword arguments); register a layer "
+          "kind for it (thor_optax.register_layer_kind)"))
+      return out
     why = _not_lifted_reason(mod, ctx)
     if why:
       transformed[tuple(mod.path)] = why
@@ -888,8 +917,12 @@ def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, me
   attention-key analysis (``attention_keys.Marks``) with the output's positions when it is a
   call the kind plans, and the kind's plan of a ``__call__`` (``None`` for another method);
   another method's call (a tied embedding's ``attend``) or one it lists is noted unmarked."""
-  plan = (kind.plan(mod, (method,), jnp.shape(primary_input(args, kwargs)))
-          if method == "__call__" else None)
+  if method != "__call__":
+    plan = None
+  elif kind.live_plan:
+    plan = kind.plan_call(mod, primary_input(args, kwargs))
+  else:
+    plan = kind.plan(mod, (method,), jnp.shape(primary_input(args, kwargs)))
   if plan is None or plan.meta is None:
     marks.skip(path)
     return out, plan
@@ -1029,8 +1062,9 @@ def used_outside_their_calls(trace: Callable[[Any], Any], params: Any,
 
   Args:
     trace: ``trace(params) -> outputs``, the model's forward pass in which every call of a
-      registered kind's method returns zeros of its output's shape (so that a parameter reaches
-      the outputs through its own calls no more).
+      registered kind's method returns zeros of its output's shape that depend on its inputs
+      only (:func:`zeroed_output`: a parameter reaches the outputs through its own calls no
+      more, a use upstream of a later layer still does).
     params: the parameter tree.
     modules: the module paths to check (those the capture would take).
 
@@ -1070,18 +1104,24 @@ def _used_inputs(jaxpr: Any, outputs: Optional[Sequence[bool]] = None) -> Option
     return None
 
 
-def zeroed_output(module: Any, method: str, out: Any) -> Any:
-  """``out`` of a call, or zeros of its shape when it is a registered kind's method (the forward
-  pass of :func:`used_outside_their_calls`; linen and NNX interceptors)."""
+def zeroed_output(module: Any, method: str, out: Any, inputs: Any = ()) -> Any:
+  """``out`` of a call, or, when it is a registered kind's method, zeros of its shape that
+  still depend on the call's ``inputs`` (its arguments): the forward pass of
+  :func:`used_outside_their_calls`, where a parameter must reach the outputs through its own
+  calls no more, while any other use upstream of a layer (a tied kernel read into a later
+  head's input) still does (linen and NNX interceptors)."""
   kind = layers_lib.kind_of_module(module)
   if kind is None or method not in kind.methods:
     return out
-  return jax.tree_util.tree_map(jnp.zeros_like, out)
+  arrays = [x for x in jax.tree_util.tree_leaves(inputs) if isinstance(x, jax.Array)]
+  keep = sum((0 * jnp.sum(x.astype(jnp.float32)) for x in arrays), jnp.float32(0))
+  return jax.tree_util.tree_map(lambda o: jnp.zeros_like(o) + keep.astype(o.dtype), out)
 
 
 def _zeroed_calls(next_fun, args, kwargs, context):
   """A linen interceptor applying :func:`zeroed_output`."""
-  return zeroed_output(context.module, context.method_name, next_fun(*args, **kwargs))
+  return zeroed_output(context.module, context.method_name, next_fun(*args, **kwargs),
+                       (args, kwargs))
 
 
 def _inputs_feeding_outputs(jaxpr: Any) -> set:

@@ -641,7 +641,8 @@ def _zeroed_forward(graphdef, rest, inputs, call_kwargs, params):
   shape (``capture.used_outside_their_calls``)."""
 
   def zeroed(original, mod, method, args, kwargs):
-    return capture_lib.zeroed_output(mod, method, original(mod, *args, **kwargs))
+    return capture_lib.zeroed_output(mod, method, original(mod, *args, **kwargs),
+                                     (args, kwargs))
 
   copy = nnx.merge(graphdef, params, rest, copy=True)
   with _intercept(zeroed):

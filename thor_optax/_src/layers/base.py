@@ -273,9 +273,11 @@ class LayerKind(abc.ABC):
     integer_inputs: whether the recorded input is integer by nature (an embedding's ids); for
       the other kinds an integer or boolean input (``uint8`` images) is recorded cast to the
       cotangents' float dtype, as Flax casts it before the product.
-    live_plan: whether :meth:`plan` reads the module's variables, which linen keeps only while
-      the model runs: the capture then keeps the plan of the module's first call instead of
-      planning after the pass (the ``'matmul'`` kind, which traces the call).
+    live_plan: whether the kind plans each call during it (:meth:`plan_call`, reading the
+      module's variables, which linen keeps only while the model runs, and the input itself):
+      the capture keeps those plans instead of planning after the pass, records only calls
+      on one array, and captures a module only when all its calls' plans agree (the
+      ``'matmul'`` kind, which traces the call).
 
   Subclassing raises nothing; :func:`thor_optax.register_layer_kind` checks the attributes
   (``TypeError`` / ``ValueError``), and the methods say what they raise.
@@ -329,6 +331,12 @@ class LayerKind(abc.ABC):
     """Whether a call is captured: ``methods`` are those seen for the module in one pass."""
     del module, methods, input_shape
     return Plan(meta={})
+
+  def plan_call(self, module: Any, x: Any) -> Plan:
+    """The plan of one ``__call__`` on the input ``x``, made during the call with the module
+    live (the capture keeps it for a :attr:`live_plan` kind). Default: :meth:`plan` of the
+    input's shape."""
+    return self.plan(module, ("__call__",), jnp.shape(x))
 
   def unit_affine(self, module: Any, dtype: jnp.dtype) -> Any:
     """For a :attr:`normalized_input` kind: a copy of ``module`` without its affine map, whose

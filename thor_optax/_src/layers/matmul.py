@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import threading
@@ -44,8 +45,11 @@ import jax.numpy as jnp
 from thor_optax._src.layers import base
 from thor_optax._src.layers import dense
 
-_CASTS = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"})
+# Identities up to the dtype (a cast to a float of at least 2 bytes: rounding to fp8 or by
+# reduce_precision changes the weight applied), and calls whose body is walked.
+_CASTS = frozenset({"convert_element_type", "copy", "copy_p", "name"})
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2",
+                    "checkpoint"})
 _WORDS = {"x": "input", "kernel": "weight", "bias": "bias", "y": "product", "y+b": "output"}
 _tracing = threading.local()  # set while a module's call is traced alone (no kind matches)
 
@@ -96,11 +100,25 @@ def _params(module: nn.Module) -> dict:
   return {k: nn.meta.unbox(v) for k, v in params.items() if not str(k).startswith("~thor")}
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_one_input(cls: type) -> bool:
+  """Whether ``cls.__call__`` takes exactly one argument besides ``self`` (no ``*args``, no
+  keyword or defaulted others): a call that could take more may compute something else than
+  the product traced on its input alone."""
+  try:
+    params = list(inspect.signature(cls.__call__).parameters.values())[1:]
+  except (TypeError, ValueError):
+    return False
+  return len(params) == 1 and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                 inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
 def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
-  """``(weight name, bias name or None)`` of a bound linen module whose own parameters are one
-  rank-2 weight and at most one rank-1 bias of one of its dimensions, with no submodule
-  parameters; ``None`` otherwise."""
-  if not isinstance(module, nn.Module) or getattr(module, "scope", None) is None:
+  """``(weight name, bias name or None)`` of a bound linen module whose ``__call__`` takes one
+  argument and whose own parameters are one rank-2 weight and at most one rank-1 bias of one of
+  its dimensions, with no submodule parameters; ``None`` otherwise."""
+  if (not isinstance(module, nn.Module) or getattr(module, "scope", None) is None
+      or not _takes_one_input(type(module))):
     return None
   try:
     leaves = _params(module)
@@ -118,33 +136,36 @@ def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
   return weight, bias
 
 
-def layout(module: nn.Module, input_shape: tuple[int, ...]) -> tuple[Optional[bool], str]:
-  """``(transposed, '')`` when the call of ``module`` (matched by :func:`own_weight`) on an input
-  of ``input_shape`` is ``x @ w (+ b)`` (``transposed=False``) or ``x @ w.T (+ b)``
-  (``True``), else ``(None, reason)``.
+def layout(module: nn.Module, x: jax.Array) -> tuple[Optional[bool], str]:
+  """``(transposed, '')`` when the call of ``module`` (matched by :func:`own_weight`) on ``x``
+  is ``x @ w (+ b)`` (``transposed=False``) or ``x @ w.T (+ b)`` (``True``), else ``(None,
+  reason)``. Called during the call, with the module live.
 
-  The module, unbound, is traced alone on abstract values (no FLOPs); its jaxpr may cast the
-  input, weight and bias to floating dtypes, transpose the weight, reshape or broadcast the
-  bias, and call ``jit`` bodies, and nothing else touches them (:func:`_walk`). A ``__call__``
-  taking arguments besides the input is not traced: what the call computes could depend on
-  them (a ``deterministic`` flag turning dropout on)."""
-  extra = list(inspect.signature(type(module).__call__).parameters)[2:]
-  if extra:
-    return None, (f"{type(module).__name__} holds a weight, but its call takes arguments "
-                  f"besides its input ({', '.join(extra)}), which may change what it computes; "
-                  "register a layer kind for it (thor_optax.register_layer_kind)")
+  The module, unbound, is traced alone on abstract values of the call's input (its shape and
+  dtype), its parameters and its other collections, with a key for each random stream the
+  call has (no FLOPs): what it reads from them (a mask, dropout) is then in the jaxpr. The
+  jaxpr may cast the input, weight and bias to floats of at least 2 bytes, transpose the
+  weight, lay the bias along the output features and call ``jit`` / ``remat`` bodies, and
+  nothing else touches them (:func:`_walk`); the output must be one array."""
   params = _params(module)
   weight, bias = own_weight(module)
   names = sorted(params)
+  others = {col: v for col, v in module.variables.items() if col != "params"}
+  streams = sorted(getattr(module.scope, "rngs", None) or {})
   copy = module.clone(parent=None)
 
-  def call(leaves, x):
-    return copy.apply({"params": dict(zip(names, leaves))}, x)
+  def call(leaves, x, others):
+    rngs = {name: jax.random.key(0) for name in streams}
+    return copy.apply({"params": dict(zip(names, leaves)), **others}, x, rngs=rngs)
 
-  structs = [jax.ShapeDtypeStruct(params[k].shape, params[k].dtype) for k in names]
+  def abstract(v):
+    return jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
+
   try:
     with _alone():
-      closed = jax.make_jaxpr(call)(structs, jax.ShapeDtypeStruct(input_shape, jnp.float32))
+      closed, shape = jax.make_jaxpr(call, return_shape=True)(
+          [abstract(params[k]) for k in names], abstract(x),
+          jax.tree.map(abstract, nn.meta.unbox(others)))
   except Exception as e:  # pylint: disable=broad-except  # any failure lists the module
     return None, (f"{type(module).__name__} holds a weight but its call could not be traced "
                   f"alone on its input ({type(e).__name__}: {str(e)[:120]}); register a layer "
@@ -152,14 +173,16 @@ def layout(module: nn.Module, input_shape: tuple[int, ...]) -> tuple[Optional[bo
   jaxpr = closed.jaxpr
   tags = {v: (("kernel", False) if n == weight else ("bias",))
           for v, n in zip(jaxpr.invars, names)}
-  tags[jaxpr.invars[-1]] = ("x",)
-  why = _walk(jaxpr, tags, len(input_shape))
+  tags[jaxpr.invars[len(names)]] = ("x",)
+  why = _walk(jaxpr, tags, jnp.ndim(x))
   out = [tags.get(v) if isinstance(v, jax.extend.core.Var) else None for v in jaxpr.outvars]
   want = "y" if bias is None else "y+b"
   if not why and any(t and t[0] in ("kernel", "bias") for t in out):
     why = "it returns its parameters, not their product with its input (a fused layer's)"
-  elif not why and (len(out) != 1 or out[0] is None or out[0][0] != want):
-    why = f"its output is not the product{'' if bias is None else ' plus the bias'} alone"
+  elif not why and (not isinstance(shape, jax.ShapeDtypeStruct) or out[0] is None
+                    or out[0][0] != want):
+    why = (f"its output is not one array, the product{'' if bias is None else ' plus the bias'}"
+           " alone")
   if why:
     return None, (f"{type(module).__name__} holds a weight {weight!r}, but its call is not a "
                   f"matrix product of its input by it: {why}; register a layer kind for it "
@@ -179,8 +202,9 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
     name, out = eqn.primitive.name, eqn.outvars
     tagged = [t for t in ins if t]
     if name in _CASTS and len(ins) == 1:
-      if not jnp.issubdtype(out[0].aval.dtype, jnp.floating):
-        return f"it casts the {_WORDS[ins[0][0]]} to {out[0].aval.dtype}"
+      dtype = out[0].aval.dtype
+      if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
+        return f"it casts the {_WORDS[ins[0][0]]} to {dtype}"
       tags[out[0]] = ins[0]
     elif name in _CALLS and "jaxpr" in eqn.params:
       inner = eqn.params["jaxpr"]
@@ -219,8 +243,9 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
 class Matmul(dense.Dense):
   """The ``'matmul'`` kind: a linen module of any class (none of Flax's layers, which their own
   kinds take first) whose own parameters are one rank-2 weight and an optional rank-1 bias, of
-  any names (:func:`own_weight`), and whose call is ``x @ w (+ b)`` or ``x @ w.T (+ b)``
-  (:func:`layout`): Hugging Face's ``FlaxConv1D``, the ``SimpleDense`` of Flax's guides.
+  any names, whose ``__call__`` takes one argument (:func:`own_weight`), and whose call on one
+  array is ``x @ w (+ b)`` or ``x @ w.T (+ b)`` (:func:`layout`): Hugging Face's
+  ``FlaxConv1D``, the ``SimpleDense`` of Flax's guides.
 
   The factors are :class:`~thor_optax._src.layers.dense.Dense`'s. A weight named ``kernel``
   applied as stored (with a bias named ``bias``, if any) gives
@@ -230,9 +255,11 @@ class Matmul(dense.Dense):
   d_out)``, ``w`` or ``w.T`` with a bias row last.
 
   Listed in ``CurvatureStats.unhandled`` instead of captured: a call that is not that product
-  alone (the reason names the first other operation), a ``__call__`` taking arguments besides
-  the input, one that cannot be traced alone on its input (it needs random numbers or other
-  collections), and as for ``Dense``, a 1-D input and shared uses the capture cannot fold.
+  alone, as traced with the call's input, random streams and other collections (the reason
+  names the first other operation; a module whose ``__call__`` takes more arguments is not
+  matched at all and is listed as a kind not supported), a call on something else than one
+  array, calls that differ (a shared module whose calls are not all the same product), and
+  as for ``Dense``, a 1-D input and shared uses the capture cannot fold.
 
   Raises:
     ValueError: at a check step, naming the layer, for statistics that are not
@@ -254,11 +281,16 @@ class Matmul(dense.Dense):
     call is a product is the plan's question (:meth:`plan`)."""
     return not getattr(_tracing, "on", False) and own_weight(module) is not None
 
-  def plan(self, module, methods, input_shape) -> base.Plan:
-    plan = super().plan(module, methods, input_shape)
+  def plan_call(self, module, x) -> base.Plan:
+    """Captured when ``x`` is one array with an example axis and the module's call on it is the
+    product (:func:`layout`)."""
+    if not isinstance(x, jax.Array):
+      return base.Plan(None, f"{type(module).__name__} holds a weight, but its input is a "
+                       f"{type(x).__name__}, not an array")
+    plan = self.plan(module, ("__call__",), jnp.shape(x))
     if plan.meta is None:
       return plan
-    transposed, why = layout(module, tuple(input_shape))
+    transposed, why = layout(module, x)
     if transposed is None:
       return base.Plan(None, why)
     weight, bias = own_weight(module)
