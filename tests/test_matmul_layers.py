@@ -8,6 +8,7 @@ products; float64. Calls that do more than the product are listed with the reaso
 """
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 
 import thor_optax
 from thor_optax.flax import value_and_grad_with_stats
+import thor_optax.nnx
 
 import reference
 from reference import F64, float64_mode, randn, softmax_ce  # pylint: disable=unused-import
@@ -444,3 +446,81 @@ def test_conv1d_keys_of_attention_are_expanded_under_a_per_example_loss():
   reduced = stats.layers["key"].cotangents.sum(axis=2)
   assert float(jnp.abs(reduced).max()) < 1e-14 * float(jnp.abs(stats.layers["key"].cotangents)
                                                         .max())
+
+
+class NnxLinear(nnx.Module):
+  """The ``Linear`` of Flax NNX's guides: ``x @ self.w + self.b``."""
+
+  def __init__(self, d_in, d_out, rngs):
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), F64) / np.sqrt(d_in))
+    self.b = nnx.Param(jnp.full((d_out,), 0.1, F64))
+
+  def __call__(self, x):
+    return x @ self.w + self.b
+
+
+class NnxConv1D(nnx.Module):
+  """A kernel stored ``(d_out, d_in)``, applied transposed, no bias."""
+
+  def __init__(self, d_in, d_out, rngs):
+    self.kernel = nnx.Param(jax.random.normal(rngs.params(), (d_out, d_in), F64) * 0.3)
+
+  def __call__(self, x):
+    return x @ self.kernel[...].T
+
+
+class NnxScaled(NnxConv1D):
+
+  def __call__(self, x):
+    return 2.0 * (x @ self.kernel[...].T)
+
+
+class NnxModel(nnx.Module):
+  """``NnxLinear`` (4 -> 6), ``NnxConv1D`` (6 -> 5) or their ``nnx.Linear`` forms, a head."""
+
+  def __init__(self, rngs, form="own"):
+    def linear(*args, **kwargs):
+      return nnx.Linear(*args, param_dtype=F64, **kwargs)
+
+    self.a = NnxLinear(D - 1, 6, rngs) if form != "linear" else linear(D - 1, 6, rngs=rngs)
+    self.t = ({"own": NnxConv1D, "scaled": NnxScaled}[form](6, D, rngs) if form != "linear"
+              else linear(6, D, use_bias=False, rngs=rngs))
+    self.head = linear(D, K, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jnp.tanh(self.t(jnp.tanh(self.a(x)))))
+
+
+def _nnx_update(model, x, y):
+  (_, grads), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(model, x, y)
+  tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None,
+                                layers=thor_optax.captured_layers(stats))
+  params = nnx.state(model, nnx.Param)
+  updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+  return nnx.to_pure_dict(nnx.State(updates)), stats
+
+
+def test_nnx_modules_equal_the_nnx_linear_model():
+  """NNX modules of no Flax class (the guides' ``Linear``, a transposed kernel) are captured
+  like their ``nnx.Linear`` forms; one whose call scales the product is listed."""
+  x = jnp.asarray(randn(8, (N, D - 1)))
+  y = jnp.arange(N) % K
+  model = NnxModel(nnx.Rngs(0))
+  got, stats = _nnx_update(model, x, y)
+  assert not stats.unhandled
+  assert {k: type(v).__name__ for k, v in stats.layers.items()} == {
+      "a": "MatmulStats", "t": "MatmulStats", "head": "DenseStats"}
+  own = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  reference_model = NnxModel(nnx.Rngs(1), form="linear")
+  nnx.update(reference_model, nnx.State({
+      "a": {"kernel": own["a"]["w"], "bias": own["a"]["b"]},
+      "t": {"kernel": own["t"]["kernel"].T}, "head": own["head"]}))
+  want, _ = _nnx_update(reference_model, x, y)
+  _assert_close({"a": {"b": got["a"]["b"], "w": got["a"]["w"]}, "head": got["head"],
+                 "t": {"kernel": got["t"]["kernel"].T}},
+                {"a": {"b": want["a"]["bias"], "w": want["a"]["kernel"]}, "head": want["head"],
+                 "t": {"kernel": want["t"]["kernel"]}})
+  scaled = NnxModel(nnx.Rngs(0), form="scaled")
+  (_, _), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(scaled, x, y)
+  assert set(stats.layers) == {"a", "head"}
+  assert any(n.startswith("t: ") and "applies mul to the product" in n for n in stats.unhandled)

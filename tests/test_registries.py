@@ -292,8 +292,7 @@ class TransposedDense(nn.Module):
 
 
 class NnxTransposedDense(nnx.Module):
-  """:class:`TransposedDense` in NNX: the ``'matmul'`` kind does not recognise it (linen
-  only), so the NNX capture lists it."""
+  """:class:`TransposedDense` in NNX (attributes ``kernel``, ``bias``)."""
 
   def __init__(self, d_in, features, rngs):
     self.kernel = nnx.Param(jax.random.normal(rngs.params(), (features, d_in), F64))
@@ -406,25 +405,17 @@ def test_layer_kind(kind):
   capture_only = kind.name == "conv_transpose"
   kind = layers_lib.kind_named("conv") if capture_only else kind
 
-  # A kind that recognises linen modules only: NNX's module is listed, its gradients equal.
-  linen_only = kind.name == "matmul"
   with check("capture: linen and NNX give the kind's statistics at the layer's path"):
-    assert stats.unhandled == ()
+    assert stats.unhandled == () and nnx_stats.unhandled == ()
     layer = stats.layers["layer"]
-    assert type(layer) is kind.stats_type
+    assert type(layer) is kind.stats_type and type(nnx_stats.layers["layer"]) is kind.stats_type
     assert layers_lib.kind_of_stats(layer) is kind
     assert not capture_only or layer.input_dilation == (2, 2)
     arrays = [np.asarray(getattr(layer, f)) for f in kind.example_axes]
     assert all(np.abs(a).max() > 1e-3 for a in arrays if a.dtype.kind == "f")
+    # The same statistics (every layer, static metadata included) and gradients from both.
+    _assert_trees_close(nnx_stats, stats, rtol=1e-12, atol=1e-14)
     _assert_trees_close(nnx.to_pure_dict(nnx_grads), grads, rtol=1e-12, atol=1e-14)
-    if linen_only:
-      assert [n.split(":")[0] for n in nnx_stats.unhandled] == ["layer"], nnx_stats.unhandled
-      assert set(nnx_stats.layers) == {"head"}
-    else:
-      assert nnx_stats.unhandled == ()
-      assert type(nnx_stats.layers["layer"]) is kind.stats_type
-      # The same statistics (every layer, static metadata included) from both.
-      _assert_trees_close(nnx_stats, stats, rtol=1e-12, atol=1e-14)
 
   shapes = {name: tuple(leaf.shape) for name, leaf in params["layer"].items()}
   captured = thor_optax.captured_layers(stats)

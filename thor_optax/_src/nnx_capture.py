@@ -99,7 +99,7 @@ def _wrapper(original: Callable[..., Any], method: str) -> Callable[..., Any]:
   @functools.wraps(original)
   def wrapped(self, *args, **kwargs):
     handler = getattr(_local, "handler", None)
-    if handler is None:
+    if handler is None or layers_lib.matmul.tracing_alone():
       return original(self, *args, **kwargs)
     return handler(original, self, method, args, kwargs)
 
@@ -113,8 +113,10 @@ def _owner(cls: type, name: str) -> tuple[type, str]:
 
 
 @contextlib.contextmanager
-def _intercept(handler: _Handler) -> Iterator[None]:
-  """Routes calls of the patched layer methods to ``handler`` within the block.
+def _intercept(handler: _Handler, model: Optional[nnx.Module] = None) -> Iterator[None]:
+  """Routes calls of the patched layer methods to ``handler`` within the block: those of the
+  registered kinds' NNX classes, and ``__call__`` of the classes of ``model``'s modules that a
+  kind matching modules of any class takes (the ``'matmul'`` kind).
 
   ``handler(original, module, method, args, kwargs)`` gets ``original``, the unpatched function
   (``original(module, *args, **kwargs)`` is not intercepted again), and returns the call's
@@ -124,7 +126,9 @@ def _intercept(handler: _Handler) -> Iterator[None]:
   global _patch_depth
   with _patch_lock:
     if _patch_depth == 0:
-      for cls, name in dict.fromkeys(_owner(c, m) for c, m in layers_lib.intercepted("nnx")):
+      pairs = list(layers_lib.intercepted("nnx")) + [(c, "__call__")
+                                                      for c in _any_class_layers(model)]
+      for cls, name in dict.fromkeys(_owner(c, m) for c, m in pairs):
         original = cls.__dict__[name]
         _originals[(cls, name)] = original
         setattr(cls, name, _wrapper(original, name))
@@ -141,6 +145,20 @@ def _intercept(handler: _Handler) -> Iterator[None]:
         for (cls, name), original in _originals.items():
           setattr(cls, name, original)
         _originals.clear()
+
+
+def _any_class_layers(model: Optional[nnx.Module]) -> list[type]:
+  """The classes of ``model``'s modules taken by a kind that names no NNX classes (one that
+  matches modules of any class by what they hold: the ``'matmul'`` kind)."""
+  if model is None:
+    return []
+  found = []
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module):
+      kind = layers_lib.kind_of_module(node)
+      if kind is not None and not kind.nnx_modules and type(node) not in found:
+        found.append(type(node))
+  return found
 
 
 class _Channel(nnx.Param):
@@ -305,7 +323,7 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
     for path, probe in zip(order, probes):
       setattr(found.layers[path], _PROBE, _Channel(probe))
     found.top = jax.extend.core.get_opaque_trace_state(convention="nnx")
-    with _intercept(found.record):
+    with _intercept(found.record, copy):
       out = copy(x_in, **call_kwargs.fresh(kw_state)[0])
     return ([getattr(found.layers[path], _PROBE).get_value() for path in order],
             dict(found.inputs), [y for y in jax.tree.leaves(out) if isinstance(y, jax.Array)])
@@ -323,8 +341,8 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
   # A layer called inside a raw JAX transform (its variables cannot be written there) is left
   # to _module_reasons, which lists it; its calls elsewhere are dropped with it.
   return ({path: seen for path, seen in found.calls.items() if path not in found.raw},
-          found.dtypes, {path: why for path, why in reasons.items() if path not in found.raw},
-          keys)
+          found.dtypes, {**{path: why for path, why in reasons.items() if path not in found.raw},
+                         **found.refused}, keys)
 
 
 @dataclasses.dataclass
@@ -336,6 +354,8 @@ class _Discovery:
     calls: the :class:`capture.Call` s by path; ``dtypes``: each layer's input dtype.
     written: layers whose probe channel a ``__call__`` wrote.
     raw: layers called inside a raw JAX transform (their variables cannot be written there).
+    refused: ``{path: reason}`` of layers of a ``live_plan`` kind called on other than one
+      array (listed).
     inputs: each layer's input, when called on the pass's own trace (not in a lifted copy).
     layers: the pass's model copy's layers by path; ``top``: the pass's JAX trace.
     marks: the layers whose outputs are routed through ``attention_keys.Marks``.
@@ -346,6 +366,7 @@ class _Discovery:
   dtypes: dict = dataclasses.field(default_factory=dict)
   written: set = dataclasses.field(default_factory=set)
   raw: set = dataclasses.field(default_factory=set)
+  refused: dict = dataclasses.field(default_factory=dict)
   inputs: dict = dataclasses.field(default_factory=dict)
   layers: dict = dataclasses.field(default_factory=dict)
   top: Any = None
@@ -356,6 +377,13 @@ class _Discovery:
     path = getattr(mod, _PATH, None)
     out = _call_naming_the_layer(original, mod, method, args, kwargs, path)
     if path not in self.outer:
+      return out
+    kind = layers_lib.kind_of_module(mod)
+    if kind.live_plan and not capture_lib.one_array_input(args, kwargs):
+      self.refused.setdefault(path, (
+          f"{type(mod).__name__} holds a weight, but a call of it is not on one array (given "
+          f"{len(args)} positional and {sorted(kwargs)} keyword arguments); register a layer "
+          "kind for it (thor_optax.register_layer_kind)"))
       return out
     inner = _own_param(mod)
     stack = self.outer[path][:len(self.outer[path]) - inner.ndim]
@@ -370,7 +398,6 @@ class _Discovery:
         self.raw.add(path)
         return out
       self.written.add(path)
-    kind = layers_lib.kind_of_module(mod)
     out, plan = capture_lib.marked(self.marks, kind, mod, method, args, kwargs, out, path)
     capture_lib.note_call(self.calls, path, mod, method, args, kwargs, out, stack, shared,
                           lifted=mod is not self.layers[path], kind=kind, plan=plan)
@@ -473,7 +500,7 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: _CallKwargs, ca
     return out + getattr(mod, _PERTURBATION).get_value()
 
   kwargs, nodes = call_kwargs.fresh()
-  with _intercept(intercept):
+  with _intercept(intercept, copy):
     outputs = copy(inputs, **kwargs)
   layer_inputs = {path: getattr(layers[path], _INPUT).get_value() for path in captured
                   if path not in used and not captured[path]["steps"]}
@@ -645,7 +672,7 @@ def _zeroed_forward(graphdef, rest, inputs, call_kwargs, params):
                                      (args, kwargs))
 
   copy = nnx.merge(graphdef, params, rest, copy=True)
-  with _intercept(zeroed):
+  with _intercept(zeroed, copy):
     return copy(inputs, **call_kwargs.fresh()[0])
 
 

@@ -1,16 +1,16 @@
 """Modules of any class whose call is a matrix product of the input by their own weight.
 
-Model libraries and tutorials write dense layers of their own: Hugging Face's Flax GPT-2
-applies a ``FlaxConv1D`` whose ``kernel`` is stored ``(d_out, d_in)``, the PyTorch layout, and
+Model libraries and tutorials write dense layers of their own: Hugging Face's Flax GPT-2 applies
+a ``FlaxConv1D`` whose ``kernel`` is stored ``(d_out, d_in)``, the PyTorch layout, and
 transposed before ``lax.dot_general``; Flax's guides write ``jnp.dot(x, self.param('kernel',
 ...)) + bias`` or ``x @ self.w + self.b``. Such a module has no Flax class for a kind to match,
-so this kind recognises it from what its call computes: a linen module whose own parameters are
-one rank-2 weight and an optional rank-1 bias, of any names, is traced alone on the shape of the
-call's input, and captured when its jaxpr is, up to float casts, ``dot_general(x, w or w.T)
-(+ b)`` contracting the input's last axis (:func:`layout`). Anything else in the call (a scale,
-an activation, a second use of the input or the weight) lists the module with the reason: the
-weight it applies would not be its parameter, or the layer would be more than the product
-K-FAC's factors describe.
+so this kind recognises it from what its call computes: a linen or NNX module whose own
+parameters are one rank-2 weight and an optional rank-1 bias, of any names, is traced alone on
+the shape of the call's input, and captured when its jaxpr is, up to float casts,
+``dot_general(x, w or w.T) (+ b)`` contracting the input's last axis (:func:`layout`). Anything
+else in the call (a scale, an activation, a second use of the input or the weight) lists the
+module with the reason: the weight it applies would not be its parameter, or the layer would be
+more than the product K-FAC's factors describe.
 
 A weight named ``kernel`` applied as stored, ``(d_in, d_out)``, with a bias named ``bias`` if
 any, is ``nn.Dense``'s layer: its statistics are
@@ -21,7 +21,8 @@ which axis is the input (a square ``(d, d)`` one least of all), so it is laid ou
 capture's statistics, ``layers=thor_optax.captured_layers(stats)`` (the first check step raises
 otherwise, saying so). Its factors are a dense layer's on the weight as ``(d_in, d_out)``.
 
-Linen only: the NNX capture intercepts the classes of registered kinds, and this kind has none.
+NNX modules alike: the weight and bias are the module's own ``nnx.Param`` attributes, and the
+NNX capture intercepts ``__call__`` of the classes of the model's modules this kind matches.
 
 References:
   Martens & Grosse, K-FAC, ICML 2015, section 3 (dense factors).
@@ -39,6 +40,7 @@ import threading
 from typing import Any, Optional
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 
@@ -93,11 +95,27 @@ def _alone():
     _tracing.on = False
 
 
-def _params(module: nn.Module) -> dict:
-  """The module's own ``params`` collection, unboxed, without the capture's channels (leaves
-  named ``'~thor...'`` that the capture writes beside a layer's parameters)."""
+def tracing_alone() -> bool:
+  """Whether a module's call is being traced alone by :func:`layout` in this thread (the NNX
+  capture's interceptor then lets the traced copy's calls through)."""
+  return getattr(_tracing, "on", False)
+
+
+def _params(module: Any) -> dict:
+  """The module's own parameters ``{name: array}``, without the capture's channels: a linen
+  module's ``params`` collection, unboxed, but leaves named ``'~thor...'``; an NNX module's
+  ``nnx.Param`` attributes but those named ``'_thor...'``."""
+  if isinstance(module, nnx.Module):
+    return {k: v.get_value() for k, v in vars(module).items()
+            if isinstance(v, nnx.Param) and not k.startswith("_thor")}
   params = module.variables.get("params", {})
   return {k: nn.meta.unbox(v) for k, v in params.items() if not str(k).startswith("~thor")}
+
+
+def _nested_params(module: nnx.Module) -> bool:
+  """Whether an NNX module holds parameters in submodules (or containers) of its own."""
+  return any(isinstance(node, nnx.Param) and len(path) > 1
+             for path, node in nnx.iter_graph(module))
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,11 +132,15 @@ def _takes_one_input(cls: type) -> bool:
 
 
 def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
-  """``(weight name, bias name or None)`` of a bound linen module whose ``__call__`` takes one
-  argument and whose own parameters are one rank-2 weight and at most one rank-1 bias of one of
-  its dimensions, with no submodule parameters; ``None`` otherwise."""
-  if (not isinstance(module, nn.Module) or getattr(module, "scope", None) is None
-      or not _takes_one_input(type(module))):
+  """``(weight name, bias name or None)`` of a bound linen module or an NNX module whose
+  ``__call__`` takes one argument and whose own parameters are one rank-2 weight and at most
+  one rank-1 bias of one of its dimensions, with no submodule parameters; ``None``
+  otherwise."""
+  if isinstance(module, nnx.Module):
+    if not _takes_one_input(type(module)) or _nested_params(module):
+      return None
+  elif (not isinstance(module, nn.Module) or getattr(module, "scope", None) is None
+        or not _takes_one_input(type(module))):
     return None
   try:
     leaves = _params(module)
@@ -150,22 +172,10 @@ def layout(module: nn.Module, x: jax.Array) -> tuple[Optional[bool], str]:
   params = _params(module)
   weight, bias = own_weight(module)
   names = sorted(params)
-  others = {col: v for col, v in module.variables.items() if col != "params"}
-  streams = sorted(getattr(module.scope, "rngs", None) or {})
-  copy = module.clone(parent=None)
-
-  def call(leaves, x, others):
-    rngs = {name: jax.random.key(0) for name in streams}
-    return copy.apply({"params": dict(zip(names, leaves)), **others}, x, rngs=rngs)
-
-  def abstract(v):
-    return jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
-
   try:
     with _alone():
-      closed, shape = jax.make_jaxpr(call, return_shape=True)(
-          [abstract(params[k]) for k in names], abstract(x),
-          jax.tree.map(abstract, nn.meta.unbox(others)))
+      closed, shape = (_traced_nnx if isinstance(module, nnx.Module) else _traced_linen)(
+          module, names, x)
   except Exception as e:  # pylint: disable=broad-except  # any failure lists the module
     return None, (f"{type(module).__name__} holds a weight but its call could not be traced "
                   f"alone on its input ({type(e).__name__}: {str(e)[:120]}); register a layer "
@@ -188,6 +198,47 @@ def layout(module: nn.Module, x: jax.Array) -> tuple[Optional[bool], str]:
                   f"matrix product of its input by it: {why}; register a layer kind for it "
                   "(thor_optax.register_layer_kind)")
   return out[0][1], ""
+
+
+def _abstract(v: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
+
+
+def _traced_linen(module: nn.Module, names: list, x: jax.Array) -> tuple[Any, Any]:
+  """``(closed jaxpr, output shape)`` of an unbound copy of a linen module applied to ``x``,
+  traced from ``(parameters named `names`..., x, other collections)``, with a key for each
+  random stream of the call."""
+  params = _params(module)
+  others = nn.meta.unbox({col: v for col, v in module.variables.items() if col != "params"})
+  streams = sorted(getattr(module.scope, "rngs", None) or {})
+  copy = module.clone(parent=None)
+
+  def call(leaves, x, others):
+    rngs = {name: jax.random.key(0) for name in streams}
+    return copy.apply({"params": dict(zip(names, leaves)), **others}, x, rngs=rngs)
+
+  return jax.make_jaxpr(call, return_shape=True)(
+      [_abstract(params[k]) for k in names], _abstract(x), jax.tree.map(_abstract, others))
+
+
+def _traced_nnx(module: nnx.Module, names: list, x: jax.Array) -> tuple[Any, Any]:
+  """``(closed jaxpr, output shape)`` of a copy of an NNX module called on ``x``, traced from
+  ``(parameters named `names`..., x, the module's other state)``."""
+  graphdef, state = nnx.split(module)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+  keys = [tuple(str(k.key) for k in path if hasattr(k, "key")) for path, _ in leaves]
+  own = [keys.index((k,)) for k in names]
+  rest = [i for i in range(len(leaves)) if i not in own]
+
+  def call(params, x, others):
+    values = [None] * len(leaves)
+    for i, v in zip(own + rest, list(params) + list(others)):
+      values[i] = v
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))(x)
+
+  return jax.make_jaxpr(call, return_shape=True)(
+      [_abstract(leaves[i][1]) for i in own], _abstract(x),
+      [_abstract(leaves[i][1]) for i in rest])
 
 
 def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
@@ -241,10 +292,10 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
 
 
 class Matmul(dense.Dense):
-  """The ``'matmul'`` kind: a linen module of any class (none of Flax's layers, which their own
-  kinds take first) whose own parameters are one rank-2 weight and an optional rank-1 bias, of
-  any names, whose ``__call__`` takes one argument (:func:`own_weight`), and whose call on one
-  array is ``x @ w (+ b)`` or ``x @ w.T (+ b)`` (:func:`layout`): Hugging Face's
+  """The ``'matmul'`` kind: a linen or NNX module of any class (none of Flax's layers, which
+  their own kinds take first) whose own parameters are one rank-2 weight and an optional rank-1
+  bias, of any names, whose ``__call__`` takes one argument (:func:`own_weight`), and whose call
+  on one array is ``x @ w (+ b)`` or ``x @ w.T (+ b)`` (:func:`layout`): Hugging Face's
   ``FlaxConv1D``, the ``SimpleDense`` of Flax's guides.
 
   The factors are :class:`~thor_optax._src.layers.dense.Dense`'s. A weight named ``kernel``
@@ -277,9 +328,10 @@ class Matmul(dense.Dense):
   live_plan = True
 
   def matches(self, module: Any) -> bool:
-    """A bound linen module with one rank-2 weight of its own (:func:`own_weight`); whether its
-    call is a product is the plan's question (:meth:`plan`)."""
-    return not getattr(_tracing, "on", False) and own_weight(module) is not None
+    """A bound linen module or an NNX module with one rank-2 weight of its own
+    (:func:`own_weight`); whether its call is a product is the plan's question
+    (:meth:`plan_call`)."""
+    return not tracing_alone() and own_weight(module) is not None
 
   def plan_call(self, module, x) -> base.Plan:
     """Captured when ``x`` is one array with an example axis and the module's call on it is the
