@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+import thor_optax
 from thor_optax.flax import value_and_grad_with_stats
 
 F64 = jnp.float64
@@ -222,3 +223,40 @@ def top_level_hlo(fn, *args) -> tuple[str, str]:
   hlo = jax.jit(fn).lower(*args).compile().as_text()
   entry = hlo[hlo.index("\nENTRY"):]
   return hlo, entry[:entry.index("\n}")]
+
+
+def layout_transforms(damping):
+  """The transforms the layer-equivalence tests run, each ``make(layers) -> transform`` of the
+  optimizer's ``layers=``: K-FAC (Cholesky), THOR with 4-blocks and every block refreshed,
+  K-FAC with eigendecompositions."""
+  return {
+      "kfac": lambda layers: thor_optax.scale_by_kfac(damping, ema_decay=None, layers=layers),
+      "thor_b4": lambda layers: thor_optax.scale_by_thor(damping, block_size=4,
+                                                         trace_thresholds=(0.0, 0.0),
+                                                         layers=layers),
+      "eigh": lambda layers: thor_optax.scale_by_kfac(damping, ema_decay=None,
+                                                      inverse_method="eigh", layers=layers),
+  }
+
+
+def captured_update(model, params, x, y, loss_fn, make_tx, captured=False, jit=False):
+  """``(updates, grads, stats)`` of one check step from a fresh state: the capture jitted, the
+  transform ``make_tx(layers)`` given the capture's layout when ``captured``."""
+  (_, grads), stats = capture(model, loss_fn)(params, x, y)
+  tx = make_tx(thor_optax.captured_layers(stats) if captured else None)
+
+  def update(g, s, p, st):
+    return tx.update(g, s, p, curvature_stats=st)[0]
+
+  updates = (jax.jit(update) if jit else update)(grads, tx.init(params), params, stats)
+  return updates, grads, stats
+
+
+def assert_trees_close(got, want, atol=1e-13):
+  """Every leaf of two trees of the same structure agrees to ``atol``."""
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for path, a in jax.tree_util.tree_flatten_with_path(got)[0]:
+    b = want
+    for key in path:
+      b = b[key.key]
+    np.testing.assert_allclose(a, b, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))

@@ -58,32 +58,9 @@ def _flat_params(params):
   return out
 
 
-def _assert_close(got, want, atol=1e-13):
-  """Every leaf of two trees of the same structure agrees to ``atol``."""
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  for path, a in jax.tree_util.tree_flatten_with_path(got)[0]:
-    b = want
-    for key in path:
-      b = b[key.key]
-    np.testing.assert_allclose(a, b, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
-
-
-def _update(model, params, x, y, loss_fn, make_tx, captured=False, jit=False):
-  (_, grads), stats = reference.capture(model, loss_fn)(params, x, y)
-  tx = make_tx(thor_optax.captured_layers(stats) if captured else None)
-  update = lambda g, s, p, st: tx.update(g, s, p, curvature_stats=st)[0]  # pylint: disable=unnecessary-lambda-assignment
-  updates = (jax.jit(update) if jit else update)(grads, tx.init(params), params, stats)
-  return updates, grads, stats
-
-
-TRANSFORMS = {
-    "kfac": lambda layers: thor_optax.scale_by_kfac(DAMPING, ema_decay=None, layers=layers),
-    "thor_b4": lambda layers: thor_optax.scale_by_thor(DAMPING, block_size=4,
-                                                       trace_thresholds=(0.0, 0.0),
-                                                       layers=layers),
-    "eigh": lambda layers: thor_optax.scale_by_kfac(DAMPING, ema_decay=None,
-                                                    inverse_method="eigh", layers=layers),
-}
+_assert_close = reference.assert_trees_close
+_update = reference.captured_update
+TRANSFORMS = reference.layout_transforms(DAMPING)
 
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))

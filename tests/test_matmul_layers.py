@@ -134,28 +134,12 @@ def as_dense(tree):
   return jax.tree_util.tree_map_with_path(convert, tree)
 
 
-TRANSFORMS = {
-    "kfac": lambda layers: thor_optax.scale_by_kfac(DAMPING, ema_decay=None, layers=layers),
-    "thor_b4": lambda layers: thor_optax.scale_by_thor(DAMPING, block_size=4,
-                                                       trace_thresholds=(0.0, 0.0),
-                                                       layers=layers),
-    "eigh": lambda layers: thor_optax.scale_by_kfac(DAMPING, ema_decay=None,
-                                                    inverse_method="eigh", layers=layers),
-}
+TRANSFORMS = reference.layout_transforms(DAMPING)
+_assert_close = reference.assert_trees_close
 
 
 def _update(model, params, x, y, make_tx, captured):
-  (_, grads), stats = reference.capture(model, softmax_ce)(params, x, y)
-  tx = make_tx(thor_optax.captured_layers(stats) if captured else None)
-  updates = jax.jit(lambda g, s, p, st: tx.update(g, s, p, curvature_stats=st)[0])(
-      grads, tx.init(params), params, stats)
-  return updates, grads, stats
-
-
-def _assert_close(got, want, atol=1e-13):
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-    np.testing.assert_allclose(a, b, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
+  return reference.captured_update(model, params, x, y, softmax_ce, make_tx, captured, jit=True)
 
 
 def _batch(seed, shape=(N, T, D)):
