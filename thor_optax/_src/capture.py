@@ -1113,7 +1113,8 @@ def zeroed_output(module: Any, method: str, out: Any, inputs: Any = ()) -> Any:
   kind = layers_lib.kind_of_module(module)
   if kind is None or method not in kind.methods:
     return out
-  arrays = [x for x in jax.tree_util.tree_leaves(inputs) if isinstance(x, jax.Array)]
+  arrays = [x for x in jax.tree_util.tree_leaves(inputs) if isinstance(x, jax.Array)
+            and (jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_))]
   keep = sum((0 * jnp.sum(x.astype(jnp.float32)) for x in arrays), jnp.float32(0))
   return jax.tree_util.tree_map(lambda o: jnp.zeros_like(o) + keep.astype(o.dtype), out)
 

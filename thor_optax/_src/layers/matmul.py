@@ -137,7 +137,7 @@ def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
   one rank-1 bias of one of its dimensions, with no submodule parameters; ``None``
   otherwise."""
   if isinstance(module, nnx.Module):
-    if not _takes_one_input(type(module)) or _nested_params(module):
+    if not _takes_one_input(type(module)):
       return None
   elif (not isinstance(module, nn.Module) or getattr(module, "scope", None) is None
         or not _takes_one_input(type(module))):
@@ -154,6 +154,8 @@ def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
     return None
   weight, bias = weights[0], (biases[0] if biases else None)
   if bias is not None and leaves[bias].shape[0] not in leaves[weight].shape:
+    return None
+  if isinstance(module, nnx.Module) and _nested_params(module):  # last: it walks the graph
     return None
   return weight, bias
 
