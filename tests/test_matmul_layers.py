@@ -508,3 +508,36 @@ def test_nnx_modules_equal_the_nnx_linear_model():
   (_, _), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(scaled, x, y)
   assert set(stats.layers) == {"a", "head"}
   assert any(n.startswith("t: ") and "applies mul to the product" in n for n in stats.unhandled)
+
+
+class NnxBase(NnxLinear):
+  pass
+
+
+class NnxSuper(NnxLinear):
+
+  def __call__(self, x):
+    return super().__call__(x)
+
+
+def test_nnx_subclass_calling_super_is_handled_once():
+  """Two matched classes sharing a base whose ``__call__`` one of them calls through
+  ``super()``: both methods are patched, and the call is handled once (before: its
+  perturbation was added twice, so its cotangents were twice the true ones)."""
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.a, self.c = NnxBase(D - 1, 6, rngs), NnxSuper(6, 6, rngs)
+      self.head = nnx.Linear(6, K, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(jnp.tanh(self.c(jnp.tanh(self.a(x)))))
+
+  x = jnp.asarray(randn(9, (N, D - 1)))
+  y = jnp.arange(N) % K
+  (_, grads), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(
+      Model(nnx.Rngs(0)), x, y)
+  for name in ("a", "c"):
+    layer = stats.layers[name]
+    rows = layer.inputs.T @ layer.cotangents[0] / N  # the empirical Fisher's gradient
+    np.testing.assert_allclose(rows, grads[name]["w"][...], rtol=0, atol=1e-14)

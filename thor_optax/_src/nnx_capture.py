@@ -94,14 +94,21 @@ _originals: dict[tuple[type, str], Any] = {}
 
 
 def _wrapper(original: Callable[..., Any], method: str) -> Callable[..., Any]:
-  """The replacement of ``cls.method``: the thread's handler if one is active, else original."""
+  """The replacement of ``cls.method``: the thread's handler if one is active, else original.
+  A call the handler already handles for the same module (a subclass's ``__call__`` calling
+  ``super().__call__``, both patched) goes to the original: one call, handled once."""
 
   @functools.wraps(original)
   def wrapped(self, *args, **kwargs):
     handler = getattr(_local, "handler", None)
-    if handler is None or layers_lib.matmul.tracing_alone():
+    active = _local.__dict__.setdefault("active", set())
+    if handler is None or layers_lib.matmul.tracing_alone() or (id(self), method) in active:
       return original(self, *args, **kwargs)
-    return handler(original, self, method, args, kwargs)
+    active.add((id(self), method))
+    try:
+      return handler(original, self, method, args, kwargs)
+    finally:
+      active.discard((id(self), method))
 
   return wrapped
 
@@ -120,15 +127,16 @@ def _intercept(handler: _Handler, model: Optional[nnx.Module] = None) -> Iterato
 
   ``handler(original, module, method, args, kwargs)`` gets ``original``, the unpatched function
   (``original(module, *args, **kwargs)`` is not intercepted again), and returns the call's
-  result. The classes are patched on entry of the outermost block and restored in
-  ``finally``.
+  result. The classes not patched yet are patched on entry of every block (another thread's
+  capture may hold the patches of another model's classes), and all are restored when the
+  outermost block ends.
   """
   global _patch_depth
   with _patch_lock:
-    if _patch_depth == 0:
-      pairs = list(layers_lib.intercepted("nnx")) + [(c, "__call__")
-                                                      for c in _any_class_layers(model)]
-      for cls, name in dict.fromkeys(_owner(c, m) for c, m in pairs):
+    pairs = list(layers_lib.intercepted("nnx")) + [(c, "__call__")
+                                                    for c in _any_class_layers(model)]
+    for cls, name in dict.fromkeys(_owner(c, m) for c, m in pairs):
+      if (cls, name) not in _originals:
         original = cls.__dict__[name]
         _originals[(cls, name)] = original
         setattr(cls, name, _wrapper(original, name))
