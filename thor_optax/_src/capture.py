@@ -917,12 +917,7 @@ def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, me
   attention-key analysis (``attention_keys.Marks``) with the output's positions when it is a
   call the kind plans, and the kind's plan of a ``__call__`` (``None`` for another method);
   another method's call (a tied embedding's ``attend``) or one it lists is noted unmarked."""
-  if method != "__call__":
-    plan = None
-  elif kind.live_plan:
-    plan = kind.plan_call(mod, primary_input(args, kwargs))
-  else:
-    plan = kind.plan(mod, (method,), jnp.shape(primary_input(args, kwargs)))
+  plan = kind.plan_call(mod, primary_input(args, kwargs)) if method == "__call__" else None
   if plan is None or plan.meta is None:
     marks.skip(path)
     return out, plan
