@@ -605,7 +605,7 @@ LINEN_MODELS: dict[str, Case] = {c.name: c for c in [
          frozenset({"embed", "ln_f", "logits", "decoder/LayerNorm_0", "decoder/LayerNorm_1",
                     "decoder/MlpBlock_0/Dense_0", "decoder/MlpBlock_0/Dense_1"}
                    | {f"decoder/MultiHeadDotProductAttention_0/{p}" for p in _ATTN}),
-         {"posembed": "not supported"}),
+         {"posembed": "applies add to the input and weight"}),
     Case("lstm", LSTMClassifier(), lambda: classification_batch(2, (8, 5, 3), 3), softmax_ce,
          frozenset({"head"} | {f"LSTMCell_0/{g}" for g in _LSTM_GATES}), {}),
     Case("mlp_aux", MLPWithAux(), lambda: classification_batch(3, (16, 6), 4),

@@ -1,10 +1,12 @@
 """Modules of no Flax layer class whose call is a product by their own kernel (the ``'matmul'``
 kind): Hugging Face's GPT-2 ``Conv1D`` (kernel stored ``(d_out, d_in)``, transposed before the
-product) and hand-written ``x @ self.param('kernel', ...)`` layers.
+product), hand-written ``x @ self.param('kernel', ...)`` layers, and weights of rank 3 or more:
+the ``Einsum`` of Flax's Gemma example, a MaxText-style ``DenseGeneral``, an ``nnx.vmap`` stack.
 
-References are the same models written with ``nn.Dense`` (kernels transposed where the module
-stores them so), whose factors the dense-reference tests check against explicit Kronecker
-products; float64. Calls that do more than the product are listed with the reason.
+References are the same models written with ``nn.Dense``, ``nn.Einsum`` or ``nn.DenseGeneral``
+(kernels transposed or renamed where the module stores them so), whose factors the dense-reference
+tests check against explicit Kronecker products; float64. Calls that do more than the product are
+listed with the reason.
 """
 
 import flax.linen as nn
@@ -193,8 +195,8 @@ def test_weights_of_other_names_equal_the_dense_model():
   got, _, stats = _update(Named(), params, x, y, TRANSFORMS["thor_b4"], captured=True)
   assert not stats.unhandled
   first = stats.layers["first"]
-  assert (type(first).__name__, first.transposed, first.weight, first.bias) == (
-      "MatmulStats", False, "w", "b")
+  assert (type(first).__name__, first.kernel_perm, first.weight, first.bias) == (
+      "MatmulStats", (0, 1), "w", "b")
   renamed = {**params, "first": {"kernel": params["first"]["w"], "bias": params["first"]["b"]}}
   want, _, _ = _update(Named(True), renamed, x, y, TRANSFORMS["thor_b4"], captured=False)
   _assert_close({**got, "first": {"kernel": got["first"]["w"], "bias": got["first"]["b"]}},
@@ -366,7 +368,7 @@ NOT_A_PRODUCT = {Scaled: "applies mul to the weight", Activated: "applies tanh t
                  Residual: "applies add to the input and product",
                  Twice: "applies dot_general to the product and weight",
                  BiasFirst: "applies add to the bias and input",
-                 BiasOverPositions: "lays the bias (4,) out as (4, 1)",
+                 BiasOverPositions: "adds the bias along the input's positions",
                  OverPositions: "applies transpose to the input",
                  NeedsArgument: "module kind not supported",
                  DtypeBranch: "applies mul to the weight",
@@ -541,3 +543,252 @@ def test_nnx_subclass_calling_super_is_handled_once():
     layer = stats.layers[name]
     rows = layer.inputs.T @ layer.cotangents[0] / N  # the empirical Fisher's gradient
     np.testing.assert_allclose(rows, grads[name]["w"][...], rtol=0, atol=1e-14)
+
+
+# ------------------------------------------------------------ weights of rank 3 and more
+
+H, HD = 2, 3
+
+
+class OwnEinsum(nn.Module):
+  """Gemma's projection as Flax's example writes it (there in NNX): the equation an attribute,
+  ``jnp.einsum(self.einsum_str, x, w)``, the weight ``w``."""
+  einsum_str: str
+  shape: tuple
+
+  @nn.compact
+  def __call__(self, x):
+    return jnp.einsum(self.einsum_str, x, self.param("w", nn.initializers.normal(0.3),
+                                                     self.shape, F64))
+
+
+class Projections(nn.Module):
+  """Gemma's fused ``'BTD,SNDH->SBTNH'`` (the weight's ``S`` before the positions in the
+  output: a transpose after the product), its output ``'BTNH,NHD->BTD'`` (two contracted
+  axes) and its query ``'BTD,NDH->BTNH'`` (the contracted axis in the weight's middle), as
+  :class:`OwnEinsum` or as ``nn.Einsum``."""
+  own: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    def einsum(equation, shape, name):
+      if self.own:
+        return OwnEinsum(equation, shape, name=name)
+      return nn.Einsum(shape, equation, use_bias=False, param_dtype=F64, name=name)
+
+    q, k, v = einsum("BTD,SNDH->SBTNH", (3, H, D, HD), "qkv")(x)
+    h = einsum("BTNH,NHD->BTD", (H, HD, D), "attn_vec")(jnp.tanh(q) * k + v)
+    h = einsum("BTD,NDH->BTNH", (H, D, HD), "q")(jnp.tanh(h))
+    return nn.Dense(K, param_dtype=F64, name="head")(jnp.tanh(h).reshape(h.shape[:2] + (-1,)))
+
+
+def _renamed(tree, old, new):
+  """Every module's leaf ``old`` renamed ``new``."""
+  return {k: {new if n == old else n: v for n, v in leaves.items()} for k, leaves in tree.items()}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_einsum_modules_of_their_own_equal_nn_einsum(name):
+  """The einsums of Flax's Gemma example, written as its own module with the weight ``w``, are
+  preconditioned as ``nn.Einsum`` (the ``'einsum'`` kind, itself checked against the reshaped
+  dense model) with the same values: :class:`MatmulStats` laid out by the weight's axes."""
+  x, y = _batch(20)
+  params = reference.init_params(Projections(), x)
+  got, grads, stats = _update(Projections(), params, x, y, TRANSFORMS[name], captured=True)
+  assert not stats.unhandled
+  assert {k: (type(v).__name__, v.kernel_perm, v.in_axes) for k, v in stats.layers.items()
+          if k != "head"} == {"qkv": ("MatmulStats", (2, 0, 1, 3), 1),
+                              "attn_vec": ("MatmulStats", (0, 1, 2), 2),
+                              "q": ("MatmulStats", (1, 0, 2), 1)}
+  want, _, _ = _update(Projections(False), _renamed(params, "w", "kernel"), x, y,
+                       TRANSFORMS[name], captured=True)
+  _assert_close(_renamed(got, "w", "kernel"), want)
+  assert float(jnp.abs(got["qkv"]["w"] + grads["qkv"]["w"]).max()) > 1e-2
+
+
+class OwnDenseGeneral(nn.Module):
+  """MaxText's ``DenseGeneral`` style: a kernel ``in_shape + features`` contracted with the
+  input's last axes by ``lax.dot_general``, a bias ``features`` added."""
+  features: tuple
+  axis: tuple = (-1,)
+
+  @nn.compact
+  def __call__(self, x):
+    axis = tuple(a % x.ndim for a in self.axis)
+    in_shape = tuple(x.shape[a] for a in axis)
+    kernel = self.param("kernel", nn.initializers.normal(0.3), in_shape + self.features, F64)
+    y = jax.lax.dot_general(x, kernel, ((axis, tuple(range(len(axis)))), ((), ())))
+    return y + self.param("bias", nn.initializers.normal(0.1), self.features, F64)
+
+
+class Heads(nn.Module):
+  """A query ``(D,) -> (H, HD)`` and an output ``(H, HD) -> (D,)`` projection with biases, as
+  :class:`OwnDenseGeneral` or as ``nn.DenseGeneral``, the same leaves."""
+  own: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    def dense(features, axis, name):
+      if self.own:
+        return OwnDenseGeneral(features, axis, name=name)
+      return nn.DenseGeneral(features, axis, param_dtype=F64, name=name,
+                             kernel_init=nn.initializers.normal(0.3))
+
+    h = jnp.tanh(dense((H, HD), (-1,), "query")(x))
+    h = jnp.tanh(dense((D,), (-2, -1), "out")(h))
+    return nn.Dense(K, param_dtype=F64, name="head")(h)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_dense_general_of_its_own_equals_nn_dense_general(name):
+  """A rank-3 kernel with a rank-2 bias, and one contracting two axes: the same update as
+  ``nn.DenseGeneral`` on the same leaves, also without the captured layout (laid out from
+  shapes as a ``DenseGeneral``, the same matrix: ``check_step.as_captured``)."""
+  x, y = _batch(21)
+  params = reference.init_params(Heads(), x)
+  got, _, stats = _update(Heads(), params, x, y, TRANSFORMS[name], captured=True)
+  assert not stats.unhandled
+  assert (stats.layers["query"].bias_perm, stats.layers["out"].in_axes) == ((0, 1), 2)
+  want, _, _ = _update(Heads(False), params, x, y, TRANSFORMS[name], captured=True)
+  _assert_close(got, want)
+  from_shapes, _, _ = _update(Heads(), params, x, y, TRANSFORMS[name], captured=False)
+  _assert_close(from_shapes, want)
+
+
+class PerHead(nn.Module):  # a kernel per head: the heads are batch axes of the product
+  @nn.compact
+  def __call__(self, x):
+    return jnp.einsum("BTNH,NHK->BTNK", x, self.param("w", nn.initializers.normal(),
+                                                       (H, HD, D), F64))
+
+
+class HeadBias(nn.Module):  # one bias for every head: shared over the feature axis N
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.normal(), (x.shape[-1], H, HD), F64)
+    return jnp.einsum("BTND,DMH->BTNMH", x, w) + self.param("b", nn.initializers.normal(),
+                                                           (HD,), F64)
+
+
+class OverTime(nn.Module):  # contracts the positions, not the features
+  @nn.compact
+  def __call__(self, x):
+    return jnp.einsum("BTNH,TK->BNHK", x, self.param("w", nn.initializers.normal(), (T, D),
+                                                      F64))
+
+
+class Sliced(nn.Module):  # a rank-3 table of which one slice is applied
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.normal(), (2, x.shape[-1], HD), F64)
+    return jnp.einsum("BTNH,HK->BTNK", x, w[0])
+
+
+NOT_AN_EINSUM_PRODUCT = {PerHead: "contracts the input's axes (3,) over batch axes",
+                         HeadBias: "adds a bias broadcast over some of the output features",
+                         OverTime: "contracts the input's axes (1,), not its last ones",
+                         Sliced: "applies slice to the weight"}
+
+
+@pytest.mark.parametrize("cls", list(NOT_AN_EINSUM_PRODUCT), ids=lambda c: c.__name__)
+def test_an_einsum_that_is_not_a_product_per_position_is_listed(cls):
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = cls(name="layer")(x)
+      logits = nn.Dense(K, param_dtype=F64, name="head")(h.reshape(N, -1))
+      return jnp.broadcast_to(logits[:, None], (N, T, K))
+
+  x = jnp.asarray(randn(22, (N, T, H, HD)))
+  y = jnp.asarray(np.random.default_rng(23).integers(0, K, (N, T)))
+  params = reference.init_params(Model(), x)
+  (_, _), stats = reference.capture(Model(), softmax_ce)(params, x, y)
+  assert set(stats.layers) == {"head"}
+  (reason,) = [note for note in stats.unhandled if note.startswith("layer: ")]
+  assert NOT_AN_EINSUM_PRODUCT[cls] in reason and "register_layer_kind" in reason, reason
+
+
+class NnxEinsum(nnx.Module):
+  """``layers.Einsum`` of Flax's Gemma example: the equation an attribute, the weight ``w``."""
+
+  def __init__(self, einsum_str, shape, rngs):
+    self.einsum_str = einsum_str
+    self.w = nnx.Param(jax.random.normal(rngs.params(), shape, F64) * 0.3)
+
+  def __call__(self, x):
+    return jnp.einsum(self.einsum_str, x, self.w[...])
+
+
+class NnxProjections(nnx.Module):
+  """Gemma's fused query-key-value and output einsums, as :class:`NnxEinsum` or
+  ``nnx.Einsum``."""
+
+  def __init__(self, rngs, own=True):
+    def einsum(equation, shape):
+      if own:
+        return NnxEinsum(equation, shape, rngs)
+      return nnx.Einsum(equation, shape, param_dtype=F64, rngs=rngs)
+
+    self.qkv = einsum("BTD,SNDH->SBTNH", (3, H, D, HD))
+    self.attn_vec = einsum("BTNH,NHD->BTD", (H, HD, D))
+    self.head = nnx.Linear(D, K, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    q, k, v = self.qkv(x)
+    return self.head(jnp.tanh(self.attn_vec(jnp.tanh(q) * k + v)))
+
+
+def test_nnx_einsum_modules_of_their_own_equal_nnx_einsum():
+  """Flax's Gemma example's ``Einsum`` module, as it writes it, is preconditioned as
+  ``nnx.Einsum`` with the same values."""
+  x, y = _batch(24)
+  model = NnxProjections(nnx.Rngs(0))
+  got, stats = _nnx_update(model, x, y)
+  assert not stats.unhandled
+  assert {k: type(v).__name__ for k, v in stats.layers.items()} == {
+      "qkv": "MatmulStats", "attn_vec": "MatmulStats", "head": "DenseStats"}
+  own = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  reference_model = NnxProjections(nnx.Rngs(1), own=False)
+  nnx.update(reference_model, nnx.State(_renamed(own, "w", "kernel")))
+  want, _ = _nnx_update(reference_model, x, y)
+  _assert_close(_renamed(got, "w", "kernel"), want)
+
+
+class NnxStack(nnx.Module):
+  """Flax's "scan over layers": a stack of residual blocks made by ``nnx.vmap``, run by
+  ``nnx.scan``; each block's layer :class:`NnxLinear` (its weight ``(2, D, D)`` in the stack)
+  or ``nnx.Linear``."""
+
+  def __init__(self, rngs, own=True):
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return NnxLinear(D, D, rngs) if own else nnx.Linear(D, D, param_dtype=F64, rngs=rngs)
+
+    self.blocks = make(rngs)
+    self.head = nnx.Linear(D, K, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def forward(h, layer):
+      return h + jnp.tanh(layer(h))
+
+    return self.head(forward(x, self.blocks))
+
+
+def test_nnx_vmap_stack_of_modules_of_their_own_equals_the_nnx_linear_stack():
+  """A stack of hand-written layers made by ``nnx.vmap`` (before: not matched, its rank-3
+  weight listed) is preconditioned layer by layer as the ``nnx.Linear`` stack."""
+  x, y = _batch(25)
+  model = NnxStack(nnx.Rngs(0))
+  got, stats = _nnx_update(model, x, y)
+  assert not stats.unhandled
+  assert stats.layers["blocks"].inputs.shape[0] == 2  # a statistic per layer of the stack
+  own = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  reference_model = NnxStack(nnx.Rngs(1), own=False)
+  nnx.update(reference_model, nnx.State({
+      "blocks": {"kernel": own["blocks"]["w"], "bias": own["blocks"]["b"]},
+      "head": own["head"]}))
+  want, _ = _nnx_update(reference_model, x, y)
+  _assert_close({"blocks": {"kernel": got["blocks"]["w"], "bias": got["blocks"]["b"]},
+                 "head": got["head"]}, want)

@@ -106,6 +106,18 @@ def parse(equation: str, in_ndim: int, kernel_ndim: int) -> tuple[Optional[dict]
               bias_perm=tuple(out_features.index(c) for c in features)), ""
 
 
+def flattened(inputs: jax.Array, cotangents: jax.Array, x_perm: tuple[int, ...],
+              y_perm: tuple[int, ...], in_axes: int) -> tuple[jax.Array, jax.Array]:
+  """``(inputs (N, P..., d_in), cotangents (S, N, P..., d_out))`` of a matrix product per
+  position: the input's axes permuted by ``x_perm`` to ``(P..., C...)`` and its ``in_axes``
+  contracted ones flattened last; the cotangents' (after their leading ``S``) by ``y_perm`` to
+  ``(P..., F...)`` and the features flattened last."""
+  x = jnp.transpose(inputs, x_perm)
+  keep = x.shape[:x.ndim - in_axes]
+  g = jnp.transpose(cotangents, (0,) + tuple(1 + p for p in y_perm))
+  return x.reshape(keep + (-1,)), g.reshape(g.shape[:1] + keep + (-1,))
+
+
 class Einsum(dense.Dense):
   """The ``'einsum'`` kind: ``nn.Einsum`` / ``nnx.Einsum`` (and their subclasses) whose
   ``einsum_str`` is a matrix product of the input by the ``kernel`` at every position, with an
@@ -152,12 +164,9 @@ class Einsum(dense.Dense):
   def make_stats(self, inputs, cotangents, *, x_perm, y_perm, kernel_perm, in_axes,
                  bias_perm) -> EinsumStats:
     """Inputs to ``(P..., C...)`` and cotangents to ``(S, P..., F...)``, flattened last."""
-    x = jnp.transpose(inputs, x_perm)
-    keep = x.shape[:x.ndim - in_axes]
-    g = jnp.transpose(cotangents, (0,) + tuple(1 + p for p in y_perm))
-    return EinsumStats(inputs=x.reshape(keep + (-1,)),
-                       cotangents=g.reshape(g.shape[:1] + keep + (-1,)),
-                       kernel_perm=kernel_perm, in_axes=in_axes, bias_perm=bias_perm)
+    x, g = flattened(inputs, cotangents, x_perm, y_perm, in_axes)
+    return EinsumStats(inputs=x, cotangents=g, kernel_perm=kernel_perm, in_axes=in_axes,
+                       bias_perm=bias_perm)
 
   def output_positions(self, meta, out_ndim):
     """The output axes of the equation's positions ``P`` after the example axis."""
@@ -174,9 +183,10 @@ class Einsum(dense.Dense):
 
   def claim_captured(self, path, shapes, hint) -> Optional[base.Claim]:
     del path
-    kernel_perm, in_axes, bias_perm = hint
-    kernel, bias = shapes.get("kernel"), shapes.get("bias")
-    if kernel is None or len(kernel) != len(kernel_perm) or set(shapes) - {"kernel", "bias"}:
+    kernel_perm, in_axes, bias_perm = hint[:3]
+    weight, bias_name = self.leaf_names(hint)
+    kernel, bias = shapes.get(weight), shapes.get(bias_name)
+    if kernel is None or len(kernel) != len(kernel_perm) or set(shapes) - {weight, bias_name}:
       return None
     permuted = tuple(kernel[i] for i in kernel_perm)
     features = permuted[in_axes:]
@@ -186,28 +196,31 @@ class Einsum(dense.Dense):
                       g_dim=math.prod(features), in_axes=in_axes)
 
   def matrix_dims(self, spec: base.LayerSpec) -> tuple[int, int]:
-    kernel_perm, in_axes, _ = spec.hint
+    kernel_perm, in_axes = spec.hint[:2]
     permuted = [spec.kernel_shape[i] for i in kernel_perm]
     return math.prod(permuted[:in_axes]), math.prod(permuted[in_axes:])
 
   def to_matrix(self, spec, leaves, dtype) -> jax.Array:
-    kernel_perm, _, bias_perm = spec.hint
-    x = jnp.transpose(leaves["kernel"], kernel_perm).reshape(spec.d_in, spec.d_out)
+    kernel_perm, _, bias_perm = spec.hint[:3]
+    weight, bias_name = self.leaf_names(spec.hint)
+    x = jnp.transpose(leaves[weight], kernel_perm).reshape(spec.d_in, spec.d_out)
     x = x.astype(dtype)
     if spec.has_bias:
-      bias = jnp.transpose(leaves["bias"], bias_perm).reshape(1, -1)
+      bias = jnp.transpose(leaves[bias_name], bias_perm).reshape(1, -1)
       x = jnp.concatenate([x, bias.astype(dtype)], axis=0)
     return x
 
   def from_matrix(self, spec, matrix, leaves) -> dict[str, jax.Array]:
-    kernel_perm, in_axes, bias_perm = spec.hint
+    kernel_perm, in_axes, bias_perm = spec.hint[:3]
+    weight, bias_name = self.leaf_names(spec.hint)
     permuted = tuple(spec.kernel_shape[i] for i in kernel_perm)
     kernel = jnp.transpose(matrix[:spec.d_in].reshape(permuted), np.argsort(kernel_perm))
-    out = {"kernel": kernel.astype(leaves["kernel"].dtype)}
+    out = {weight: kernel.astype(leaves[weight].dtype)}
     if spec.has_bias:
       features = permuted[in_axes:]
       bias = matrix[spec.d_in].reshape(features)
-      out["bias"] = jnp.transpose(bias, np.argsort(bias_perm)).astype(leaves["bias"].dtype)
+      out[bias_name] = jnp.transpose(bias, np.argsort(bias_perm)).astype(
+          leaves[bias_name].dtype)
     return out
 
   def check_stats(self, spec, stats) -> None:

@@ -3,23 +3,29 @@
 Model libraries and tutorials write dense layers of their own: Hugging Face's Flax GPT-2 applies
 a ``FlaxConv1D`` whose ``kernel`` is stored ``(d_out, d_in)``, the PyTorch layout, and
 transposed before ``lax.dot_general``; Flax's guides write ``jnp.dot(x, self.param('kernel',
-...)) + bias`` or ``x @ self.w + self.b``. Such a module has no Flax class for a kind to match,
-so this kind recognises it from what its call computes: a linen or NNX module whose own
-parameters are one rank-2 weight and an optional rank-1 bias, of any names, is traced alone on
-the shape of the call's input, and captured when its jaxpr is, up to float casts,
-``dot_general(x, w or w.T) (+ b)`` contracting the input's last axis (:func:`layout`). Anything
-else in the call (a scale, an activation, a second use of the input or the weight) lists the
-module with the reason: the weight it applies would not be its parameter, or the layer would be
-more than the product K-FAC's factors describe.
+...)) + bias`` or ``x @ self.w + self.b``; the Gemma of Flax's examples projects with an
+``Einsum`` module of its own, ``jnp.einsum('BTD,NDH->BTNH', x, self.w)``, and MaxText with a
+``DenseGeneral`` of its own. Such a module has no Flax class for a kind to match, so this kind
+recognises it from what its call computes: a linen or NNX module whose own parameters are one
+weight of rank 2 or more and an optional bias of lower rank, of any names, is traced alone on
+the shape of the call's input, and captured when its jaxpr is, up to float casts and
+transposes, ``dot_general(x, w) (+ b)`` contracting the input's last axes with some of the
+weight's, the bias laid along the weight's other axes (:func:`layout`). Anything else in the
+call (a scale, an activation, a second use of the input or the weight) lists the module with
+the reason: the weight it applies would not be its parameter, or the layer would be more than
+the product K-FAC's factors describe.
 
-A weight named ``kernel`` applied as stored, ``(d_in, d_out)``, with a bias named ``bias`` if
-any, is ``nn.Dense``'s layer: its statistics are
-:class:`~thor_optax._src.layers.dense.DenseStats` and :mod:`dense` lays it out from its shapes.
-Any other (applied transposed, or named otherwise) has :class:`MatmulStats`, whose static
-fields say which leaf is the weight and whether it is transposed: its shapes alone do not say
-which axis is the input (a square ``(d, d)`` one least of all), so it is laid out only from the
+As a matrix the weight, its contracted axes first (in the input's order) and its other axes,
+the output features, after, is ``(d_in, d_out)``; the input's contracted axes are flattened
+into ``d_in`` and the output's feature axes into ``d_out``, its other axes being positions
+(:mod:`einsum`'s layout, with the weight's own names). A weight named ``kernel``, ``(d_in,
+d_out)`` applied as stored, with a bias named ``bias`` if any, is ``nn.Dense``'s layer: its
+statistics are :class:`~thor_optax._src.layers.dense.DenseStats` and :mod:`dense` lays it out
+from its shapes. Any other has :class:`MatmulStats`, whose static fields name the weight and
+bias leaves and say how their axes map to the matrix: shapes alone do not say which axes are
+the input's (a square ``(d, d)`` weight least of all), so it is laid out only from the
 capture's statistics, ``layers=thor_optax.captured_layers(stats)`` (the first check step raises
-otherwise, saying so). Its factors are a dense layer's on the weight as ``(d_in, d_out)``.
+otherwise, saying so).
 
 NNX modules alike: the weight and bias are the module's own ``nnx.Param`` attributes, and the
 NNX capture intercepts ``__call__`` of the classes of the model's modules this kind matches.
@@ -35,7 +41,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import math
 import threading
 from typing import Any, Optional
 
@@ -46,6 +51,7 @@ import jax.numpy as jnp
 
 from thor_optax._src.layers import base
 from thor_optax._src.layers import dense
+from thor_optax._src.layers import einsum
 
 # Identities up to the dtype (a cast to a float of at least 2 bytes: rounding to fp8 or by
 # reduce_precision changes the weight applied), and calls whose body is walked.
@@ -59,26 +65,36 @@ _tracing = threading.local()  # set while a module's call is traced alone (no ki
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MatmulStats:
-  """Statistics of a module ``y = x @ w (+ b)`` or ``x @ w.T (+ b)`` that ``nn.Dense``'s layout
-  does not describe (a weight applied transposed, or leaves not named ``kernel`` / ``bias``).
+  """Statistics of a module ``y = x . w (+ b)`` that ``nn.Dense``'s layout does not describe (a
+  weight applied transposed, of rank 3 or more, or leaves not named ``kernel`` / ``bias``),
+  flattened to a dense layer's.
 
   Attributes:
-    inputs: layer input ``a``, ``(N, ..., d_in)``; axis 0 indexes examples, further leading
-      axes are positions sharing the weight.
-    cotangents: output cotangents of one loss term, ``(S, N, ..., d_out)``.
-    transposed: whether the weight is stored ``(d_out, d_in)`` and applied transposed (static).
+    inputs: ``(N, P..., d_in)``: the layer input with its contracted axes flattened last; axis 0
+      indexes examples, the axes after it are positions sharing the weight.
+    cotangents: ``(S, N, P..., d_out)``: output cotangents of one loss term, positions in the
+      input's order, the output features (in the weight's order) flattened last.
+    kernel_perm: the weight's axes in ``(contracted..., features...)`` order, the contracted
+      ones in the order of the input's axes they meet (static): ``(1, 0)`` for a ``(d_out,
+      d_in)`` weight applied transposed.
+    in_axes: the number of contracted axes (static).
+    bias_perm: the bias's axes in the order of the features they lie along (static).
     weight: the weight leaf's name (static).
     bias: the bias leaf's name, or ``None`` without one (static).
     num_terms: the ``M`` loss terms ``A`` divides by when the leading axis is not them
       (static), as :class:`~thor_optax._src.layers.dense.DenseStats`'.
 
   Source: Martens & Grosse, K-FAC, ICML 2015 (``a``, ``g``); a type apart from ``DenseStats``
-  so that such a weight is never read as ``nn.Dense``'s (this project).
+  and ``EinsumStats`` so that such a weight is never read as ``nn.Dense``'s or ``nn.Einsum``'s
+  (this project).
   """
 
   inputs: jax.Array
   cotangents: jax.Array
-  transposed: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  kernel_perm: tuple[int, ...] = dataclasses.field(default=(1, 0),
+                                                   metadata=dict(static=True))
+  in_axes: int = dataclasses.field(default=1, metadata=dict(static=True))
+  bias_perm: tuple[int, ...] = dataclasses.field(default=(0,), metadata=dict(static=True))
   weight: str = dataclasses.field(default="kernel", metadata=dict(static=True))
   bias: Optional[str] = dataclasses.field(default=None, metadata=dict(static=True))
   num_terms: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
@@ -133,9 +149,9 @@ def _takes_one_input(cls: type) -> bool:
 
 def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
   """``(weight name, bias name or None)`` of a bound linen module or an NNX module whose
-  ``__call__`` takes one argument and whose own parameters are one rank-2 weight and at most
-  one rank-1 bias of one of its dimensions, with no submodule parameters; ``None``
-  otherwise."""
+  ``__call__`` takes one argument and whose own parameters are one weight of rank 2 or more
+  and at most one bias of lower rank (at least 1) whose dimensions are among the weight's,
+  with no submodule parameters; ``None`` otherwise."""
   if isinstance(module, nnx.Module):
     if not _takes_one_input(type(module)):
       return None
@@ -148,29 +164,34 @@ def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
     return None
   if not all(hasattr(v, "shape") for v in leaves.values()):
     return None
-  weights = [k for k, v in leaves.items() if v.ndim == 2]
-  biases = [k for k, v in leaves.items() if v.ndim == 1]
-  if len(weights) != 1 or len(biases) > 1 or len(weights) + len(biases) != len(leaves):
+  names = sorted(leaves, key=lambda k: leaves[k].ndim, reverse=True)
+  if not names or len(names) > 2 or leaves[names[0]].ndim < 2:
     return None
-  weight, bias = weights[0], (biases[0] if biases else None)
-  if bias is not None and leaves[bias].shape[0] not in leaves[weight].shape:
+  weight, bias = names[0], (names[1] if len(names) > 1 else None)
+  if bias is not None and not (
+      0 < leaves[bias].ndim < leaves[weight].ndim
+      and all(d in leaves[weight].shape for d in leaves[bias].shape)):
     return None
   if isinstance(module, nnx.Module) and _nested_params(module):  # last: it walks the graph
     return None
   return weight, bias
 
 
-def layout(module: nn.Module, x: jax.Array) -> tuple[Optional[bool], str]:
-  """``(transposed, '')`` when the call of ``module`` (matched by :func:`own_weight`) on ``x``
-  is ``x @ w (+ b)`` (``transposed=False``) or ``x @ w.T (+ b)`` (``True``), else ``(None,
-  reason)``. Called during the call, with the module live.
+def layout(module: nn.Module, x: jax.Array) -> tuple[Optional[dict], str]:
+  """``(meta, '')`` when the call of ``module`` (matched by :func:`own_weight`) on ``x`` is a
+  matrix product of ``x`` by the weight (+ the bias), else ``(None, reason)``. ``meta``: the
+  :mod:`einsum` layout (``x_perm``, ``y_perm``, ``kernel_perm``, ``in_axes``, ``bias_perm``;
+  :func:`_meta`) with the ``weight`` and ``bias`` leaf names. Called during the call, with the
+  module live.
 
   The module, unbound, is traced alone on abstract values of the call's input (its shape and
   dtype), its parameters and its other collections, with a key for each random stream the
   call has (no FLOPs): what it reads from them (a mask, dropout) is then in the jaxpr. The
   jaxpr may cast the input, weight and bias to floats of at least 2 bytes, transpose the
-  weight, lay the bias along the output features and call ``jit`` / ``remat`` bodies, and
-  nothing else touches them (:func:`_walk`); the output must be one array."""
+  weight and the product, contract the input's last axes with the weight's in one
+  ``dot_general`` (``x @ w``, ``x @ w.T``, ``jnp.einsum``), lay the bias along the weight's
+  other axes and call ``jit`` / ``remat`` bodies, and nothing else touches them
+  (:func:`_walk`); the output must be one array."""
   params = _params(module)
   weight, bias = own_weight(module)
   names = sorted(params)
@@ -183,7 +204,8 @@ def layout(module: nn.Module, x: jax.Array) -> tuple[Optional[bool], str]:
                   f"alone on its input ({type(e).__name__}: {str(e)[:120]}); register a layer "
                   "kind for it (thor_optax.register_layer_kind)")
   jaxpr = closed.jaxpr
-  tags = {v: (("kernel", False) if n == weight else ("bias",))
+  tags = {v: ("kernel", tuple(range(v.aval.ndim))) if n == weight
+          else ("bias", tuple(range(v.aval.ndim)), v.aval.ndim)
           for v, n in zip(jaxpr.invars, names)}
   tags[jaxpr.invars[len(names)]] = ("x",)
   why = _walk(jaxpr, tags, jnp.ndim(x))
@@ -199,7 +221,24 @@ def layout(module: nn.Module, x: jax.Array) -> tuple[Optional[bool], str]:
     return None, (f"{type(module).__name__} holds a weight {weight!r}, but its call is not a "
                   f"matrix product of its input by it: {why}; register a layer kind for it "
                   "(thor_optax.register_layer_kind)")
-  return out[0][1], ""
+  return dict(_meta(out[0], jnp.ndim(x)), weight=weight, bias=bias), ""
+
+
+def _meta(tag: tuple, x_ndim: int) -> dict:
+  """The :mod:`einsum` layout of a product tagged ``('y', axes, contracted)`` or ``('y+b',
+  axes, contracted, bias_of)`` by :func:`_walk`: the input as it is (its contracted axes are
+  its last), the output's positions then the features (the weight's other axes, in its order)
+  as ``y_perm``, the weight's contracted then feature axes as ``kernel_perm``, and the bias's
+  axes along the features as ``bias_perm``."""
+  axes, contracted = tag[1], tag[2]
+  features = sorted(j for kind, j in axes if kind == "w")
+  positions = range(x_ndim - len(contracted))
+  bias_of = dict(tag[3]) if tag[0] == "y+b" else {}
+  return dict(x_perm=tuple(range(x_ndim)),
+              y_perm=tuple(axes.index(("x", i)) for i in positions)
+              + tuple(axes.index(("w", j)) for j in features),
+              kernel_perm=tuple(contracted) + tuple(features), in_axes=len(contracted),
+              bias_perm=tuple(bias_of[j] for j in features) if bias_of else ())
 
 
 def _abstract(v: Any) -> jax.ShapeDtypeStruct:
@@ -245,15 +284,20 @@ def _traced_nnx(module: nnx.Module, names: list, x: jax.Array) -> tuple[Any, Any
 
 def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
   """Tags every value of ``jaxpr`` that derives from the input ``('x',)``, the weight
-  ``('kernel', swapped)``, the bias ``('bias',)``, their product ``('y', transposed)`` or the
-  product plus the bias ``('y+b', transposed)``; returns why an equation does something else
-  to them (``''``: nothing else)."""
+  ``('kernel', axes)`` (the weight's axis at each of the value's axes), the bias ``('bias',
+  axes, rank)`` (the bias's axis or ``None`` at each), their product ``('y', axes,
+  contracted)`` (``('x', i)`` or ``('w', j)``, the input's or the weight's axis, at each; the
+  weight's axes contracted, in the order of the input's) or the product plus the bias
+  (``('y+b', axes, contracted, bias_of)``, ``bias_of`` pairing each feature axis of the weight
+  with the bias's axis along it); returns why an equation does something else to them (``''``:
+  nothing else)."""
   for eqn in jaxpr.eqns:
     ins = [tags.get(v) if isinstance(v, jax.extend.core.Var) else None for v in eqn.invars]
     if not any(ins):
       continue
     name, out = eqn.primitive.name, eqn.outvars
     tagged = [t for t in ins if t]
+    kinds = [t[0] if t else None for t in ins]
     if name in _CASTS and len(ins) == 1:
       dtype = out[0].aval.dtype
       if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
@@ -269,43 +313,106 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
       for v, w in zip(out, inner.outvars):
         if isinstance(w, jax.extend.core.Var) and w in sub:
           tags[v] = sub[w]
-    elif name == "transpose" and ins[0][0] == "kernel":
-      swapped = tuple(eqn.params["permutation"]) == (1, 0)
-      tags[out[0]] = ("kernel", ins[0][1] != swapped)
-    elif name in ("reshape", "broadcast_in_dim", "squeeze") and ins == [("bias",)]:
-      before, after = eqn.invars[0].aval.shape, out[0].aval.shape
-      last = (name != "broadcast_in_dim"
-              or tuple(eqn.params["broadcast_dimensions"])[-1:] == (len(after) - 1,))
-      if not (before and after and after[-1] == before[-1] == math.prod(before) and last):
+    elif name == "transpose" and kinds[0] in ("kernel", "y", "y+b"):
+      t = ins[0]
+      tags[out[0]] = (t[0], tuple(t[1][p] for p in eqn.params["permutation"])) + t[2:]
+    elif name in ("reshape", "broadcast_in_dim", "squeeze", "expand_dims") \
+        and kinds[:1] == ["bias"] and len(tagged) == 1:
+      axes = _bias_axes(eqn, ins[0][1])
+      if axes is None:
+        before, after = eqn.invars[0].aval.shape, out[0].aval.shape
         return f"it lays the bias {tuple(before)} out as {tuple(after)}, not along the features"
-      tags[out[0]] = ("bias",)
-    elif name == "dot_general" and [t[0] if t else None for t in ins] == ["x", "kernel"]:
-      (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-      if lb or rb or tuple(lc) != (x_ndim - 1,) or len(rc) != 1:
-        return f"its product contracts the input's axes {tuple(lc)}, not its last"
-      tags[out[0]] = ("y", (rc[0] == 1) != ins[1][1])
-    elif name in ("add", "add_any") and sorted(t[0] for t in tagged) == ["bias", "y"] \
-        and len(tagged) == 2:
-      tags[out[0]] = ("y+b", next(t[1] for t in tagged if t[0] == "y"))
+      tags[out[0]] = ("bias", axes, ins[0][2])
+    elif name == "dot_general" and kinds in (["x", "kernel"], ["kernel", "x"]):
+      tag, why = _product(eqn, ins, x_ndim)
+      if why:
+        return why
+      tags[out[0]] = tag
+    elif name in ("add", "add_any") and sorted(kinds) == ["bias", "y"]:
+      y, b = sorted(zip(kinds, ins, eqn.invars), key=lambda t: t[0] != "y")
+      bias_of, why = _bias_along(y[1][1], b[1], y[2].aval.shape, b[2].aval.shape)
+      if why:
+        return why
+      tags[out[0]] = ("y+b",) + y[1][1:] + (bias_of,)
     else:
       what = " and ".join(sorted({_WORDS[t[0]] for t in tagged}))
       return f"it applies {name} to the {what}"
   return ""
 
 
-class Matmul(dense.Dense):
-  """The ``'matmul'`` kind: a linen or NNX module of any class (none of Flax's layers, which
-  their own kinds take first) whose own parameters are one rank-2 weight and an optional rank-1
-  bias, of any names, whose ``__call__`` takes one argument (:func:`own_weight`), and whose call
-  on one array is ``x @ w (+ b)`` or ``x @ w.T (+ b)`` (:func:`layout`): Hugging Face's
-  ``FlaxConv1D``, the ``SimpleDense`` of Flax's guides.
+def _product(eqn: Any, ins: list, x_ndim: int) -> tuple[Optional[tuple], str]:
+  """``(('y', axes, contracted), '')`` for a ``dot_general`` of the input and the weight (in
+  either order) with no batch axes that contracts the input's last axes, else ``(None,
+  why)``."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  x_first = ins[0][0] == "x"
+  xc, wc = (lc, rc) if x_first else (rc, lc)
+  w_axes = ins[1 if x_first else 0][1]
+  last = tuple(range(x_ndim - len(xc), x_ndim))
+  if lb or rb or tuple(sorted(xc)) != last or len(xc) >= x_ndim:
+    return None, (f"its product contracts the input's axes {tuple(xc)}"
+                  f"{' over batch axes' if lb else ''}, not its last ones")
+  contracted = tuple(w_axes[j] for _, j in sorted(zip(xc, wc)))
+  x_free = [("x", i) for i in range(x_ndim - len(xc))]
+  w_free = [("w", w_axes[j]) for j in range(len(w_axes)) if j not in wc]
+  return ("y", tuple(x_free + w_free if x_first else w_free + x_free), contracted), ""
 
-  The factors are :class:`~thor_optax._src.layers.dense.Dense`'s. A weight named ``kernel``
-  applied as stored (with a bias named ``bias``, if any) gives
+
+def _bias_axes(eqn: Any, axes: tuple) -> Optional[tuple]:
+  """The bias's axis (or ``None``) at each axis of a reshape / broadcast / squeeze /
+  expand_dims of it, or ``None`` when it does more than add or drop axes of size 1 and
+  broadcast."""
+  before, after = eqn.invars[0].aval.shape, tuple(eqn.outvars[0].aval.shape)
+  if eqn.primitive.name == "broadcast_in_dim":
+    new = [None] * len(after)
+    for k, d in enumerate(eqn.params["broadcast_dimensions"]):
+      new[d] = axes[k] if before[k] == after[d] else None
+    return tuple(new)
+  kept = [(n, a) for n, a in zip(before, axes) if n != 1]
+  if [n for n, _ in kept] != [n for n in after if n != 1]:
+    return None
+  if len(after) >= len(before) and after[len(after) - len(before):] == tuple(before):
+    return (None,) * (len(after) - len(before)) + tuple(axes)  # leading axes of size 1 added
+  it = iter(a for _, a in kept)
+  return tuple(None if n == 1 else next(it) for n in after)
+
+
+def _bias_along(y_axes: tuple, bias: tuple, y_shape: tuple, b_shape: tuple
+                ) -> tuple[Optional[tuple], str]:
+  """``(bias_of, '')``, the bias's axis along each feature axis of the weight, when the bias
+  added to the product lies along all its features and nothing else, else ``(None, why)``."""
+  b_axes, rank = bias[1], bias[2]
+  if len(b_axes) != len(y_axes):
+    return None, "it adds the bias at a rank other than the product's"
+  bias_of = {}
+  for (kind, j), a, n, m in zip(y_axes, b_axes, y_shape, b_shape):
+    if a is not None and m == n:
+      if kind != "w":
+        return None, "it adds the bias along the input's positions, not the features"
+      bias_of[j] = a
+    elif kind == "w":
+      return None, "it adds a bias broadcast over some of the output features"
+  if sorted(bias_of.values()) != list(range(rank)):
+    return None, "its bias has axes that do not lie along the output features"
+  return tuple(sorted(bias_of.items())), ""
+
+
+class Matmul(einsum.Einsum):
+  """The ``'matmul'`` kind: a linen or NNX module of any class (none of Flax's layers, which
+  their own kinds take first) whose own parameters are one weight of rank 2 or more and an
+  optional bias of lower rank, of any names, whose ``__call__`` takes one argument
+  (:func:`own_weight`), and whose call on one array is a matrix product of it by the weight
+  (+ the bias): ``x @ w``, ``x @ w.T``, ``jnp.einsum('BTD,NDH->BTNH', x, w)``
+  (:func:`layout`). Hugging Face's ``FlaxConv1D``, the ``SimpleDense`` of Flax's guides, the
+  ``Einsum`` of Flax's Gemma example, MaxText's ``DenseGeneral``.
+
+  The factors are :class:`~thor_optax._src.layers.dense.Dense`'s on the weight as a ``(d_in,
+  d_out)`` matrix, laid out as :class:`~thor_optax._src.layers.einsum.Einsum` lays out a
+  kernel (module docstring). A weight named ``kernel``, ``(d_in, d_out)`` applied as stored
+  (with a bias named ``bias``, if any) gives
   :class:`~thor_optax._src.layers.dense.DenseStats`, laid out by the ``'dense'`` kind; any
   other :class:`MatmulStats`, laid out only from the capture's statistics
-  (``layers=thor_optax.captured_layers(stats)``): as a matrix the weight is ``(d_in (+1),
-  d_out)``, ``w`` or ``w.T`` with a bias row last.
+  (``layers=thor_optax.captured_layers(stats)``).
 
   Listed in ``CurvatureStats.unhandled`` instead of captured: a call that is not that product
   alone, as traced with the call's input, random streams and other collections (the reason
@@ -326,14 +433,17 @@ class Matmul(dense.Dense):
   stats_type = MatmulStats
   linen_modules = ()
   nnx_modules = ()
-  he_rescaled = False
   live_plan = True
 
   def matches(self, module: Any) -> bool:
-    """A bound linen module or an NNX module with one rank-2 weight of its own
+    """A bound linen module or an NNX module with one weight of its own
     (:func:`own_weight`); whether its call is a product is the plan's question
     (:meth:`plan_call`)."""
     return not tracing_alone() and own_weight(module) is not None
+
+  def plan(self, module, methods, input_shape) -> base.Plan:
+    """A dense layer's: the input needs an example axis."""
+    return dense.Dense.plan(self, module, methods, input_shape)
 
   def plan_call(self, module, x) -> base.Plan:
     """Captured when ``x`` is one array with an example axis and the module's call on it is the
@@ -344,63 +454,21 @@ class Matmul(dense.Dense):
     plan = self.plan(module, ("__call__",), jnp.shape(x))
     if plan.meta is None:
       return plan
-    transposed, why = layout(module, x)
-    if transposed is None:
-      return base.Plan(None, why)
-    weight, bias = own_weight(module)
-    return base.Plan({"transposed": transposed, "weight": weight, "bias": bias})
+    meta, why = layout(module, x)
+    return base.Plan(meta, why)
 
-  def make_stats(self, inputs, cotangents, *, transposed, weight, bias) -> Any:
+  def make_stats(self, inputs, cotangents, *, x_perm, y_perm, kernel_perm, in_axes, bias_perm,
+                 weight, bias) -> Any:
     """``DenseStats`` for ``nn.Dense``'s layout, else :class:`MatmulStats`."""
-    if not transposed and weight == "kernel" and bias in (None, "bias"):
+    if (kernel_perm == (0, 1) and y_perm == tuple(range(len(y_perm))) and weight == "kernel"
+        and bias in (None, "bias")):
       return dense.DenseStats(inputs=inputs, cotangents=cotangents)
-    return MatmulStats(inputs=inputs, cotangents=cotangents, transposed=transposed,
-                       weight=weight, bias=bias)
+    x, g = einsum.flattened(inputs, cotangents, x_perm, y_perm, in_axes)
+    return MatmulStats(inputs=x, cotangents=g, kernel_perm=kernel_perm, in_axes=in_axes,
+                       bias_perm=bias_perm, weight=weight, bias=bias)
 
   def hint(self, stats: MatmulStats) -> tuple:
-    return (stats.transposed, stats.weight, stats.bias)
+    return (stats.kernel_perm, stats.in_axes, stats.bias_perm, stats.weight, stats.bias)
 
   def leaf_names(self, hint: tuple) -> tuple[str, Optional[str]]:
-    _, weight, bias = hint
-    return weight, bias
-
-  def claim(self, path, shapes) -> Optional[base.Claim]:
-    """Never from shapes alone (they do not say which leaf is the weight, nor its layout)."""
-    del path, shapes
-    return None
-
-  def claim_captured(self, path, shapes, hint) -> Optional[base.Claim]:
-    del path
-    transposed, weight, bias = hint
-    w = shapes.get(weight)
-    if w is None or len(w) != 2 or set(shapes) != {weight} | ({bias} if bias else set()):
-      return None
-    d_in, d_out = (w[1], w[0]) if transposed else w
-    if bias is not None and tuple(shapes[bias]) != (d_out,):
-      return None
-    return base.Claim(a_dim=d_in + int(bias is not None), g_dim=d_out)
-
-  def matrix_dims(self, spec: base.LayerSpec) -> tuple[int, int]:
-    transposed, weight, _ = spec.hint
-    rows, cols = spec.shape(weight)
-    return (cols, rows) if transposed else (rows, cols)
-
-  def to_matrix(self, spec, leaves, dtype) -> jax.Array:
-    transposed, weight, bias = spec.hint
-    x = (leaves[weight].T if transposed else leaves[weight]).astype(dtype)
-    if bias is not None:
-      x = jnp.concatenate([x, leaves[bias].reshape(1, -1).astype(dtype)], axis=0)
-    return x
-
-  def from_matrix(self, spec, matrix, leaves) -> dict[str, jax.Array]:
-    transposed, weight, bias = spec.hint
-    w = matrix[:spec.d_in]
-    out = {weight: (w.T if transposed else w).astype(leaves[weight].dtype)}
-    if bias is not None:
-      out[bias] = matrix[spec.d_in].astype(leaves[bias].dtype)
-    return out
-
-  def check_stats(self, spec, stats) -> None:
-    base.LayerKind.check_stats(self, spec, stats)
-    dense.check_cotangents(spec, stats)
-    dense.check_inputs(spec, stats, spec.d_in)
+    return hint[3], hint[4]
