@@ -7,7 +7,9 @@ Each definition follows the style of a well-known public source (not its code): 
 {'params': 0}``, pre-LayerNorm, ``MlpBlock``), ``nn.RNN(nn.LSTMCell)`` classifiers, HuggingFace
 Flax models (a tied LM head applied with ``.apply({'params': {'kernel': embedding.T}})``, outputs
 as tuples, dicts and ``flax.struct.dataclass`` output classes, a BERT classifier whose attention
-is written by hand, a GPT-2 whose ``Conv1D`` layers hold their kernels ``(d_out, d_in)``), BiT /
+is written by hand, a GPT-2 whose ``Conv1D`` layers hold their kernels ``(d_out, d_in)``),
+Gemma's linen code (an ``Einsum`` module given its equation at call time, ``layer(eqn, x)``,
+multi-query attention, a gated MLP, an RMS norm and a tied embedder of its own), BiT /
 ViT-hybrid weight-standardized convolutions (``class StdConv(nn.Conv)`` overriding ``param``),
 ``nn.remat``-ed layers, and the Flax NNX "scan over layers" pattern (``nnx.vmap`` to create a
 stack of layers, ``nnx.scan`` to run it, ``nnx.remat`` around a layer).
@@ -467,6 +469,94 @@ class GPT2LM(nn.Module):
     return wte.attend(nn.LayerNorm(name="ln_f")(h))
 
 
+# ------------------------------ (14) Gemma-style LM: einsum modules given the equation at call
+
+
+class GemmaEinsum(nn.Module):
+  """Gemma's linen ``Einsum``, written small: a weight of any rank, the equation given first at
+  call time, ``layer(eqn, x)``."""
+
+  shape: tuple
+  weight_name: str = "w"
+
+  @nn.compact
+  def __call__(self, eqn: str, x):
+    return jnp.einsum(eqn, x, self.param(self.weight_name, nn.initializers.normal(0.2),
+                                         self.shape))
+
+
+class GemmaRMSNorm(nn.Module):
+  """Gemma's RMS norm: ``x / rms(x) * (1 + scale)`` (no Flax class; listed)."""
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.zeros_init(), (x.shape[-1],))
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6) * (1 + scale)
+
+
+class GemmaEmbedder(nn.Module):
+  """Gemma's embedder: ``encode`` looks tokens up (scaled by ``sqrt(d)``), ``decode`` is the
+  tied output ``x @ table.T``; no ``__call__`` (listed)."""
+
+  vocab: int
+  width: int
+
+  def setup(self):
+    self.table = self.param("input_embedding", nn.initializers.normal(), (self.vocab,
+                                                                          self.width))
+
+  def encode(self, ids):
+    return self.table[(ids,)] * jnp.sqrt(self.width).astype(self.table.dtype)
+
+  def decode(self, x):
+    return jnp.dot(x, self.table.T)
+
+
+class GemmaBlock(nn.Module):
+  """Multi-query attention (one key-value head: ``q_einsum`` ``'BTD,NDH->BTNH'``, the fused
+  ``kv_einsum`` ``'BSD,CKDH->CBSKH'``, ``attn_vec_einsum`` ``'BTNH,NHD->BTD'``) with a causal
+  mask, and a gated MLP (``gating_einsum`` ``'...F,NFH->...NH'``, ``linear``
+  ``'...H,HF->...F'``), each after a :class:`GemmaRMSNorm`."""
+
+  width: int = 16
+  heads: int = 2
+  head_dim: int = 8
+  hidden: int = 32
+
+  @nn.compact
+  def __call__(self, x):
+    t = x.shape[1]
+    h = GemmaRMSNorm(name="pre_attention_norm")(x)
+    q = GemmaEinsum((self.heads, self.width, self.head_dim), name="q_einsum")("BTD,NDH->BTNH", h)
+    k, v = GemmaEinsum((2, 1, self.width, self.head_dim), name="kv_einsum")("BSD,CKDH->CBSKH",
+                                                                          h)
+    logits = jnp.einsum("BTNH,BSKH->BTNS", q * self.head_dim ** -0.5, k)
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool))[:, None], logits, -2.3819763e38)
+    encoded = jnp.einsum("BTNS,BSKH->BTNH", jax.nn.softmax(logits), v)
+    x = x + GemmaEinsum((self.heads, self.head_dim, self.width),
+                        name="attn_vec_einsum")("BTNH,NHD->BTD", encoded)
+    h = GemmaRMSNorm(name="pre_ffw_norm")(x)
+    gate = GemmaEinsum((2, self.width, self.hidden), "gating_einsum",
+                       name="gating")("...F,NFH->...NH", h)
+    activations = nn.gelu(gate[..., 0, :]) * gate[..., 1, :]
+    return x + GemmaEinsum((self.hidden, self.width), "linear", name="linear")(
+        "...H,HF->...F", activations)
+
+
+class GemmaLM(nn.Module):
+  """:class:`GemmaEmbedder`'s ``encode``, one :class:`GemmaBlock`, a final norm and the tied
+  ``decode``."""
+
+  vocab: int = 16
+  width: int = 16
+
+  @nn.compact
+  def __call__(self, ids):
+    embedder = GemmaEmbedder(self.vocab, self.width, name="embedder")
+    x = GemmaBlock(self.width, name="layer_0")(embedder.encode(ids))
+    return embedder.decode(GemmaRMSNorm(name="final_norm")(x))
+
+
 # ------------------------------------------------------------ (11) NNX: nnx.scan / nnx.remat
 
 
@@ -636,6 +726,12 @@ LINEN_MODELS: dict[str, Case] = {c.name: c for c in [
          frozenset({"wte", "wpe", "ln_f"}
                    | {f"h_0/{m}" for m in ("ln_1", "c_attn", "attn_c_proj", "ln_2", "c_fc",
                                            "mlp_c_proj")}), {}, captured_layout=True),
+    Case("gemma_lm", GemmaLM(), lambda: token_batch(13, 4, 8, 16), softmax_ce,
+         frozenset(f"layer_0/{m}" for m in ("q_einsum", "kv_einsum", "attn_vec_einsum",
+                                             "gating", "linear")),
+         {"embedder": "not supported", "final_norm": "not supported",
+          "layer_0/pre_attention_norm": "not supported", "layer_0/pre_ffw_norm": "not supported"},
+         captured_layout=True),
 ]}
 
 

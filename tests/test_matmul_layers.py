@@ -9,6 +9,8 @@ tests check against explicit Kronecker products; float64. Calls that do more tha
 listed with the reason.
 """
 
+import functools
+
 import flax.linen as nn
 from flax import nnx
 import jax
@@ -317,6 +319,13 @@ class NeedsArgument(nn.Module):
     return scale * (x @ self.param("kernel", nn.initializers.normal(), (x.shape[-1], D)))
 
 
+class TwoArrays(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, mask):
+    return (x * mask) @ self.param("kernel", nn.initializers.normal(), (x.shape[-1], D))
+
+
 class Quantized(nn.Module):
 
   @nn.compact
@@ -370,7 +379,8 @@ NOT_A_PRODUCT = {Scaled: "applies mul to the weight", Activated: "applies tanh t
                  BiasFirst: "applies add to the bias and input",
                  BiasOverPositions: "adds the bias along the input's positions",
                  OverPositions: "applies transpose to the input",
-                 NeedsArgument: "module kind not supported",
+                 NeedsArgument: "applies mul to the product",
+                 TwoArrays: "not on one array and Python constants",
                  DtypeBranch: "applies mul to the weight",
                  Float8: "casts the weight to float8_e4m3fn",
                  TupleOutput: "its output is not one array",
@@ -386,7 +396,9 @@ def test_a_call_that_is_more_than_the_product_is_listed(cls):
     def __call__(self, x):
       layer = cls(name="layer")
       if cls is NeedsArgument:
-        h = layer(x, 0.5)
+        h = layer(x, 0.5)  # traced with the constant: a scale of the product
+      elif cls is TwoArrays:
+        h = layer(x, jnp.ones_like(x))
       elif cls is TupleOutput:
         (h,) = layer(x)
       elif cls is TupleInput:
@@ -562,18 +574,30 @@ class OwnEinsum(nn.Module):
                                                      self.shape, F64))
 
 
+class CallTimeEinsum(nn.Module):
+  """Gemma's linen ``Einsum``: the equation given at call time, first, ``Einsum(eqn, x)``."""
+  shape: tuple
+
+  @nn.compact
+  def __call__(self, eqn, x):
+    return jnp.einsum(eqn, x, self.param("w", nn.initializers.normal(0.3), self.shape, F64))
+
+
 class Projections(nn.Module):
   """Gemma's fused ``'BTD,SNDH->SBTNH'`` (the weight's ``S`` before the positions in the
   output: a transpose after the product), its output ``'BTNH,NHD->BTD'`` (two contracted
   axes) and its query ``'BTD,NDH->BTNH'`` (the contracted axis in the weight's middle), as
-  :class:`OwnEinsum` or as ``nn.Einsum``."""
-  own: bool = True
+  :class:`OwnEinsum` (``form='own'``), :class:`CallTimeEinsum` (``'call_time'``) or
+  ``nn.Einsum`` (``'flax'``)."""
+  form: str = "own"
 
   @nn.compact
   def __call__(self, x):
     def einsum(equation, shape, name):
-      if self.own:
+      if self.form == "own":
         return OwnEinsum(equation, shape, name=name)
+      if self.form == "call_time":
+        return functools.partial(CallTimeEinsum(shape, name=name), equation)
       return nn.Einsum(shape, equation, use_bias=False, param_dtype=F64, name=name)
 
     q, k, v = einsum("BTD,SNDH->SBTNH", (3, H, D, HD), "qkv")(x)
@@ -587,20 +611,23 @@ def _renamed(tree, old, new):
   return {k: {new if n == old else n: v for n, v in leaves.items()} for k, leaves in tree.items()}
 
 
+@pytest.mark.parametrize("form", ["own", "call_time"])
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
-def test_einsum_modules_of_their_own_equal_nn_einsum(name):
-  """The einsums of Flax's Gemma example, written as its own module with the weight ``w``, are
+def test_einsum_modules_of_their_own_equal_nn_einsum(name, form):
+  """Gemma's einsums, written as its own module with the weight ``w`` (the equation an
+  attribute, as in Flax's example, or given first at call time, as in Gemma's linen code), are
   preconditioned as ``nn.Einsum`` (the ``'einsum'`` kind, itself checked against the reshaped
   dense model) with the same values: :class:`MatmulStats` laid out by the weight's axes."""
   x, y = _batch(20)
-  params = reference.init_params(Projections(), x)
-  got, grads, stats = _update(Projections(), params, x, y, TRANSFORMS[name], captured=True)
+  params = reference.init_params(Projections(form), x)
+  got, grads, stats = _update(Projections(form), params, x, y, TRANSFORMS[name],
+                              captured=True)
   assert not stats.unhandled
   assert {k: (type(v).__name__, v.kernel_perm, v.in_axes) for k, v in stats.layers.items()
           if k != "head"} == {"qkv": ("MatmulStats", (2, 0, 1, 3), 1),
                               "attn_vec": ("MatmulStats", (0, 1, 2), 2),
                               "q": ("MatmulStats", (1, 0, 2), 1)}
-  want, _, _ = _update(Projections(False), _renamed(params, "w", "kernel"), x, y,
+  want, _, _ = _update(Projections("flax"), _renamed(params, "w", "kernel"), x, y,
                        TRANSFORMS[name], captured=True)
   _assert_close(_renamed(got, "w", "kernel"), want)
   assert float(jnp.abs(got["qkv"]["w"] + grads["qkv"]["w"]).max()) > 1e-2

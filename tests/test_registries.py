@@ -494,16 +494,26 @@ def _check_gradient_matrix(kind, spec, leaves, layer_stats, shapes):
 # A layer kind of the user's own: a linen module holding its weight as ``w``.
 
 
+@jax.custom_vjp
+def fused_matmul(x, w):
+  """``x @ w`` with a backward pass of its own (as a Pallas kernel would have)."""
+  return x @ w
+
+
+fused_matmul.defvjp(lambda x, w: (x @ w, (x, w)),
+                    lambda res, g: (g @ res[1].T, jnp.einsum("...i,...j->ij", res[0], g)))
+
+
 class Projection(nn.Module):
-  """``y = x @ w`` with ``w`` of shape ``(d_in, features)`` and a call-time ``precision``: no
-  built-in kind takes it (the ``'matmul'`` kind matches calls of one argument only)."""
+  """``y = x @ w`` with ``w`` of shape ``(d_in, features)``, by :func:`fused_matmul`: no built-in
+  kind takes it (the ``'matmul'`` kind does not see through a ``custom_vjp``)."""
 
   features: int
 
   @nn.compact
-  def __call__(self, x, precision=None):
+  def __call__(self, x):
     w = self.param("w", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
-    return jnp.matmul(x, w, precision=precision)
+    return fused_matmul(x, w)
 
 
 class ProjectionKind(thor_layers.Dense):
@@ -550,8 +560,9 @@ def test_user_kind_is_unhandled_until_registered():
   model, x, y, params = _projection_batch()
   (_, _), stats = value_and_grad_with_stats(model, softmax_ce)(params, x, y)
   assert set(stats.layers) == {"head"}
-  assert stats.unhandled == ("proj: module kind not supported (parameter 'w' passes through "
-                             "unpreconditioned; thor_optax.register_layer_kind can take it)",)
+  (reason,) = stats.unhandled
+  assert reason.startswith("proj: Projection holds a weight 'w', but its call is not a matrix "
+                           "product of its input by it: it applies custom_vjp_call"), reason
   assert [spec.name for spec in blocks.build_layout(params, None).layers] == ["head"]
 
 

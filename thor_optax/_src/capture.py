@@ -86,29 +86,18 @@ from thor_optax._src import layers as layers_lib
 from thor_optax._src import stats as stats_lib
 from thor_optax._src import step_sharing
 from thor_optax._src.layers import base as layer_base
+from thor_optax._src.layers.base import one_array_input, primary_input
 
 FISHER_TYPES = ("empirical", "sampled", "exact")
 LIKELIHOODS = ("softmax_cross_entropy", "squared_error")
 
 
-def primary_input(args: tuple, kwargs: dict) -> Any:
-  """The first argument of a layer's ``__call__`` (``inputs`` / ``x``), positional or not."""
-  if args:
-    return args[0]
-  for key in ("inputs", "x", "query"):
-    if key in kwargs:
-      return kwargs[key]
-  raise ValueError(f"cannot find the input among keyword arguments {sorted(kwargs)}")
-
-
-def one_array_input(args: tuple, kwargs: dict) -> bool:
-  """Whether a call's only argument is one array (positional, or ``inputs=`` / ``x=``)."""
-  if len(args) + len(kwargs) != 1:
-    return False
-  try:
-    return isinstance(primary_input(args, kwargs), jax.Array)
-  except ValueError:
-    return False
+def not_one_array_reason(mod: Any, args: tuple, kwargs: dict) -> str:
+  """Why a call of a :attr:`~thor_optax._src.layers.base.LayerKind.live_plan` kind's module
+  that is not on one array and Python constants (:func:`one_array_input`) is listed."""
+  return (f"{type(mod).__name__} holds a weight, but a call of it is not on one array and "
+          f"Python constants (given {len(args)} positional and {sorted(kwargs)} keyword "
+          "arguments); register a layer kind for it (thor_optax.register_layer_kind)")
 
 
 def unsupported_reasons(leaf_paths: Iterable[tuple[Any, ...]]) -> dict[tuple[Any, ...], str]:
@@ -874,10 +863,7 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     if kind is None or method not in kind.methods:
       return out
     if kind.live_plan and not one_array_input(args, kwargs):
-      transformed.setdefault(tuple(mod.path), (
-          f"{type(mod).__name__} holds a weight, but a call of it is not on one array (given "
-          f"{len(args)} positional and {sorted(kwargs)} keyword arguments); register a layer "
-          "kind for it (thor_optax.register_layer_kind)"))
+      transformed.setdefault(tuple(mod.path), not_one_array_reason(mod, args, kwargs))
       return out
     why = _not_lifted_reason(mod, ctx)
     if why:
@@ -917,7 +903,7 @@ def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, me
   attention-key analysis (``attention_keys.Marks``) with the output's positions when it is a
   call the kind plans, and the kind's plan of a ``__call__`` (``None`` for another method);
   another method's call (a tied embedding's ``attend``) or one it lists is noted unmarked."""
-  plan = kind.plan_call(mod, primary_input(args, kwargs)) if method == "__call__" else None
+  plan = kind.plan_call(mod, args, kwargs) if method == "__call__" else None
   if plan is None or plan.meta is None:
     marks.skip(path)
     return out, plan

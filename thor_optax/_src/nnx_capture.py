@@ -388,10 +388,7 @@ class _Discovery:
       return out
     kind = layers_lib.kind_of_module(mod)
     if kind.live_plan and not capture_lib.one_array_input(args, kwargs):
-      self.refused.setdefault(path, (
-          f"{type(mod).__name__} holds a weight, but a call of it is not on one array (given "
-          f"{len(args)} positional and {sorted(kwargs)} keyword arguments); register a layer "
-          "kind for it (thor_optax.register_layer_kind)"))
+      self.refused.setdefault(path, capture_lib.not_one_array_reason(mod, args, kwargs))
       return out
     inner = _own_param(mod)
     stack = self.outer[path][:len(self.outer[path]) - inner.ndim]

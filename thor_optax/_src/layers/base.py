@@ -227,6 +227,55 @@ class LayerSpec:
     return self.kind.matrix_dims(self)[1]
 
 
+_CONSTANTS = (str, bytes, bool, int, float, complex, type(None))
+
+
+def input_position(args: tuple, kwargs: dict) -> Any:
+  """Where a layer call's input is: the index of its first positional argument that is not a
+  string (the equation Gemma's linen ``Einsum(eqn, x)`` takes first), else the keyword
+  ``'inputs'``, ``'x'`` or ``'query'``.
+
+  Raises:
+    ValueError: if there is none.
+  """
+  for i, a in enumerate(args):
+    if not isinstance(a, str):
+      return i
+  for key in ("inputs", "x", "query"):
+    if key in kwargs:
+      return key
+  raise ValueError(f"cannot find the input among {len(args)} positional and keyword arguments "
+                   f"{sorted(kwargs)}")
+
+
+def primary_input(args: tuple, kwargs: dict) -> Any:
+  """A layer call's input (``inputs`` / ``x``; :func:`input_position`), positional or not."""
+  at = input_position(args, kwargs)
+  return args[at] if isinstance(at, int) else kwargs[at]
+
+
+def with_input(args: tuple, kwargs: dict, x: Any) -> tuple[tuple, dict]:
+  """The call's arguments with its input (:func:`input_position`) replaced by ``x``."""
+  at = input_position(args, kwargs)
+  if isinstance(at, int):
+    return args[:at] + (x,) + args[at + 1:], kwargs
+  return args, {**kwargs, at: x}
+
+
+def one_array_input(args: tuple, kwargs: dict) -> bool:
+  """Whether a call's input is one array and its other arguments, if any, Python constants
+  (strings, numbers, booleans, ``None``): a call that :func:`with_input` reproduces on another
+  value of the input."""
+  try:
+    at = input_position(args, kwargs)
+  except ValueError:
+    return False
+  others = [a for i, a in enumerate(args) if i != at]
+  others += [v for k, v in kwargs.items() if k != at]
+  return (isinstance(primary_input(args, kwargs), jax.Array)
+          and all(type(v) in _CONSTANTS for v in others))
+
+
 class Plan(NamedTuple):
   """Outcome of :meth:`LayerKind.plan` for one captured module call.
 
@@ -332,11 +381,11 @@ class LayerKind(abc.ABC):
     del module, methods, input_shape
     return Plan(meta={})
 
-  def plan_call(self, module: Any, x: Any) -> Plan:
-    """The plan of one ``__call__`` on the input ``x``, made during the call with the module
-    live (the capture keeps it for a :attr:`live_plan` kind). Default: :meth:`plan` of the
-    input's shape."""
-    return self.plan(module, ("__call__",), jnp.shape(x))
+  def plan_call(self, module: Any, args: tuple, kwargs: dict) -> Plan:
+    """The plan of one ``__call__`` with arguments ``args``, ``kwargs`` (the layer's input is
+    :func:`primary_input`), made during the call with the module live (the capture keeps it
+    for a :attr:`live_plan` kind). Default: :meth:`plan` of the input's shape."""
+    return self.plan(module, ("__call__",), jnp.shape(primary_input(args, kwargs)))
 
   def unit_affine(self, module: Any, dtype: jnp.dtype) -> Any:
     """For a :attr:`normalized_input` kind: a copy of ``module`` without its affine map, whose

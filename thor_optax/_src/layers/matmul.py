@@ -135,28 +135,30 @@ def _nested_params(module: nnx.Module) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_one_input(cls: type) -> bool:
-  """Whether ``cls.__call__`` takes exactly one argument besides ``self`` (no ``*args``, no
-  keyword or defaulted others): a call that could take more may compute something else than
-  the product traced on its input alone."""
+def _takes_an_input(cls: type) -> bool:
+  """Whether ``cls`` defines a ``__call__`` that takes a positional argument besides ``self``
+  (its input; any others must be Python constants in each call, :func:`base.one_array_input`,
+  with which the call is traced)."""
+  call = next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
   try:
-    params = list(inspect.signature(cls.__call__).parameters.values())[1:]
+    params = list(inspect.signature(call).parameters.values())[1:]
   except (TypeError, ValueError):
     return False
-  return len(params) == 1 and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                 inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  return any(p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                        inspect.Parameter.VAR_POSITIONAL) for p in params)
 
 
 def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
   """``(weight name, bias name or None)`` of a bound linen module or an NNX module whose
-  ``__call__`` takes one argument and whose own parameters are one weight of rank 2 or more
+  ``__call__`` takes an input and whose own parameters are one weight of rank 2 or more
   and at most one bias of lower rank (at least 1) whose dimensions are among the weight's,
   with no submodule parameters; ``None`` otherwise."""
   if isinstance(module, nnx.Module):
-    if not _takes_one_input(type(module)):
+    if not _takes_an_input(type(module)):
       return None
   elif (not isinstance(module, nn.Module) or getattr(module, "scope", None) is None
-        or not _takes_one_input(type(module))):
+        or not _takes_an_input(type(module))):
     return None
   try:
     leaves = _params(module)
@@ -177,16 +179,19 @@ def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
   return weight, bias
 
 
-def layout(module: nn.Module, x: jax.Array) -> tuple[Optional[dict], str]:
-  """``(meta, '')`` when the call of ``module`` (matched by :func:`own_weight`) on ``x`` is a
-  matrix product of ``x`` by the weight (+ the bias), else ``(None, reason)``. ``meta``: the
+def layout(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Optional[dict], str]:
+  """``(meta, '')`` when the call of ``module`` (matched by :func:`own_weight`) with arguments
+  ``args``, ``kwargs`` (one array ``x``, :func:`base.primary_input`, and Python constants such
+  as an einsum equation) is a matrix product of ``x`` by the weight (+ the bias), else ``(None,
+  reason)``. ``meta``: the
   :mod:`einsum` layout (``x_perm``, ``y_perm``, ``kernel_perm``, ``in_axes``, ``bias_perm``;
   :func:`_meta`) with the ``weight`` and ``bias`` leaf names. Called during the call, with the
   module live.
 
   The module, unbound, is traced alone on abstract values of the call's input (its shape and
-  dtype), its parameters and its other collections, with a key for each random stream the
-  call has (no FLOPs): what it reads from them (a mask, dropout) is then in the jaxpr. The
+  dtype; the other arguments as they are), its parameters and its other collections, with a
+  key for each random stream the call has (no FLOPs): what it reads from them (a mask,
+  dropout) is then in the jaxpr. The
   jaxpr may cast the input, weight and bias to floats of at least 2 bytes, transpose the
   weight and the product, contract the input's last axes with the weight's in one
   ``dot_general`` (``x @ w``, ``x @ w.T``, ``jnp.einsum``), lay the bias along the weight's
@@ -195,10 +200,11 @@ def layout(module: nn.Module, x: jax.Array) -> tuple[Optional[dict], str]:
   params = _params(module)
   weight, bias = own_weight(module)
   names = sorted(params)
+  x = base.primary_input(args, kwargs)
   try:
     with _alone():
       closed, shape = (_traced_nnx if isinstance(module, nnx.Module) else _traced_linen)(
-          module, names, x)
+          module, names, args, kwargs)
   except Exception as e:  # pylint: disable=broad-except  # any failure lists the module
     return None, (f"{type(module).__name__} holds a weight but its call could not be traced "
                   f"alone on its input ({type(e).__name__}: {str(e)[:120]}); register a layer "
@@ -245,10 +251,11 @@ def _abstract(v: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
 
 
-def _traced_linen(module: nn.Module, names: list, x: jax.Array) -> tuple[Any, Any]:
-  """``(closed jaxpr, output shape)`` of an unbound copy of a linen module applied to ``x``,
-  traced from ``(parameters named `names`..., x, other collections)``, with a key for each
-  random stream of the call."""
+def _traced_linen(module: nn.Module, names: list, args: tuple, kwargs: dict
+                  ) -> tuple[Any, Any]:
+  """``(closed jaxpr, output shape)`` of an unbound copy of a linen module applied to the
+  call's arguments, traced from ``(parameters named `names`..., the input x, other
+  collections)``, with a key for each random stream of the call."""
   params = _params(module)
   others = nn.meta.unbox({col: v for col, v in module.variables.items() if col != "params"})
   streams = sorted(getattr(module.scope, "rngs", None) or {})
@@ -256,15 +263,19 @@ def _traced_linen(module: nn.Module, names: list, x: jax.Array) -> tuple[Any, An
 
   def call(leaves, x, others):
     rngs = {name: jax.random.key(0) for name in streams}
-    return copy.apply({"params": dict(zip(names, leaves)), **others}, x, rngs=rngs)
+    xargs, xkwargs = base.with_input(args, kwargs, x)
+    return copy.apply({"params": dict(zip(names, leaves)), **others}, *xargs, rngs=rngs,
+                      **xkwargs)
 
   return jax.make_jaxpr(call, return_shape=True)(
-      [_abstract(params[k]) for k in names], _abstract(x), jax.tree.map(_abstract, others))
+      [_abstract(params[k]) for k in names], _abstract(base.primary_input(args, kwargs)),
+      jax.tree.map(_abstract, others))
 
 
-def _traced_nnx(module: nnx.Module, names: list, x: jax.Array) -> tuple[Any, Any]:
-  """``(closed jaxpr, output shape)`` of a copy of an NNX module called on ``x``, traced from
-  ``(parameters named `names`..., x, the module's other state)``."""
+def _traced_nnx(module: nnx.Module, names: list, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+  """``(closed jaxpr, output shape)`` of a copy of an NNX module called with the call's
+  arguments, traced from ``(parameters named `names`..., the input x, the module's other
+  state)``."""
   graphdef, state = nnx.split(module)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
   keys = [tuple(str(k.key) for k in path if hasattr(k, "key")) for path, _ in leaves]
@@ -275,10 +286,12 @@ def _traced_nnx(module: nnx.Module, names: list, x: jax.Array) -> tuple[Any, Any
     values = [None] * len(leaves)
     for i, v in zip(own + rest, list(params) + list(others)):
       values[i] = v
-    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))(x)
+    xargs, xkwargs = base.with_input(args, kwargs, x)
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))(*xargs,
+                                                                             **xkwargs)
 
   return jax.make_jaxpr(call, return_shape=True)(
-      [_abstract(leaves[i][1]) for i in own], _abstract(x),
+      [_abstract(leaves[i][1]) for i in own], _abstract(base.primary_input(args, kwargs)),
       [_abstract(leaves[i][1]) for i in rest])
 
 
@@ -400,11 +413,12 @@ def _bias_along(y_axes: tuple, bias: tuple, y_shape: tuple, b_shape: tuple
 class Matmul(einsum.Einsum):
   """The ``'matmul'`` kind: a linen or NNX module of any class (none of Flax's layers, which
   their own kinds take first) whose own parameters are one weight of rank 2 or more and an
-  optional bias of lower rank, of any names, whose ``__call__`` takes one argument
-  (:func:`own_weight`), and whose call on one array is a matrix product of it by the weight
-  (+ the bias): ``x @ w``, ``x @ w.T``, ``jnp.einsum('BTD,NDH->BTNH', x, w)``
-  (:func:`layout`). Hugging Face's ``FlaxConv1D``, the ``SimpleDense`` of Flax's guides, the
-  ``Einsum`` of Flax's Gemma example, MaxText's ``DenseGeneral``.
+  optional bias of lower rank, of any names, whose ``__call__`` takes an input
+  (:func:`own_weight`), and whose call on one array (and Python constants: an equation) is a
+  matrix product of it by the weight (+ the bias): ``x @ w``, ``x @ w.T``,
+  ``jnp.einsum('BTD,NDH->BTNH', x, w)`` (:func:`layout`). Hugging Face's ``FlaxConv1D``, the
+  ``SimpleDense`` of Flax's guides, the ``Einsum`` of Flax's Gemma example (NNX, the equation
+  an attribute) and of Gemma's linen code (``Einsum(eqn, x)``), MaxText's ``DenseGeneral``.
 
   The factors are :class:`~thor_optax._src.layers.dense.Dense`'s on the weight as a ``(d_in,
   d_out)`` matrix, laid out as :class:`~thor_optax._src.layers.einsum.Einsum` lays out a
@@ -416,10 +430,11 @@ class Matmul(einsum.Einsum):
 
   Listed in ``CurvatureStats.unhandled`` instead of captured: a call that is not that product
   alone, as traced with the call's input, random streams and other collections (the reason
-  names the first other operation; a module whose ``__call__`` takes more arguments is not
+  names the first other operation; a module whose ``__call__`` takes no argument is not
   matched at all and is listed as a kind not supported), a call on something else than one
-  array, calls that differ (a shared module whose calls are not all the same product), and
-  as for ``Dense``, a 1-D input and shared uses the capture cannot fold.
+  array and Python constants (a second array, a tuple), calls that differ (a shared module
+  whose calls are not all the same product), and as for ``Dense``, a 1-D input and shared uses
+  the capture cannot fold.
 
   Raises:
     ValueError: at a check step, naming the layer, for statistics that are not
@@ -445,16 +460,18 @@ class Matmul(einsum.Einsum):
     """A dense layer's: the input needs an example axis."""
     return dense.Dense.plan(self, module, methods, input_shape)
 
-  def plan_call(self, module, x) -> base.Plan:
-    """Captured when ``x`` is one array with an example axis and the module's call on it is the
-    product (:func:`layout`)."""
+  def plan_call(self, module, args, kwargs) -> base.Plan:
+    """Captured when the call's input is one array with an example axis, its other arguments
+    Python constants (an einsum equation), and the module's call with them is the product
+    (:func:`layout`)."""
+    x = base.primary_input(args, kwargs)
     if not isinstance(x, jax.Array):
       return base.Plan(None, f"{type(module).__name__} holds a weight, but its input is a "
                        f"{type(x).__name__}, not an array")
     plan = self.plan(module, ("__call__",), jnp.shape(x))
     if plan.meta is None:
       return plan
-    meta, why = layout(module, x)
+    meta, why = layout(module, args, kwargs)
     return base.Plan(meta, why)
 
   def make_stats(self, inputs, cotangents, *, x_perm, y_perm, kernel_perm, in_axes, bias_perm,
