@@ -7,9 +7,10 @@ kernel (so the check step warned that those "layers" were not preconditioned), a
 ``optax.masked`` hid a bias-free boxed layer under the name ``'Dense_0/kernel'``, so its
 statistics were rejected as matching no layer. Here:
 
-* capture from boxed parameters lists nothing as unhandled; ``tx.init`` / ``tx.update`` (a check
-  step, then a plain step, with THOR) give boxed updates equal to the unboxed ones (float64,
-  below 1e-12), with the same layers preconditioned and no warning;
+* capture from boxed parameters lists nothing as unhandled, in an ``nn.scan`` stack too;
+  ``tx.init`` / ``tx.update`` (a check step, then a plain step, with THOR) give boxed updates
+  equal to the unboxed ones (float64, below 1e-12), with the same layers preconditioned and no
+  warning;
 * ``optax.masked`` over boxed parameters hides a bias-free boxed layer by its module name;
 * the optimizer state is sharded like the parameters: ``kronecker_state_sharding`` gives the
   momentum the boxed parameters' shardings (logical names through ``rules``), the same as Flax's
@@ -117,6 +118,57 @@ def test_boxed_updates_equal_unboxed():
       "Conv_0", "Dense_0", "Dense_1"]
   assert all(int(d.total_refreshes) == int(d.num_blocks) > 0 for d in diagnostics.values())
   assert sorted(_kronecker(state).layers) == ["LayerNorm_0"]
+
+
+class ScannedBlock(nn.Module):
+  """A residual block of two bias-free dense layers with logically partitioned kernels."""
+
+  @nn.compact
+  def __call__(self, h, _):
+    def dense(name):
+      return nn.Dense(6, use_bias=False, name=name, **F64, kernel_init=nn.with_logical_partitioning(
+          nn.initializers.lecun_normal(), ("embed", "hidden")))
+    return h + dense("out")(jnp.tanh(dense("in")(h))), None
+
+
+class ScannedBoxed(nn.Module):
+  """MaxText's layer stack: ``nn.scan`` over an ``nn.remat``-ed block, the stack axis named in
+  the boxes by ``metadata_params={nn.PARTITION_NAME: 'layers'}``."""
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(nn.remat(ScannedBlock), variable_axes={"params": 0},
+                    split_rngs={"params": True}, length=2,
+                    metadata_params={nn.PARTITION_NAME: "layers"})
+    h, _ = stack(name="layers")(x, None)
+    return nn.Dense(3, **F64, name="head")(h)
+
+
+def test_scanned_boxed_stack_equals_unboxed():
+  """Captured and preconditioned as the unboxed stack. Before: each boxed layer of the stack
+  was listed as "called 2 times per forward pass (shared layer) inside a lifted transform" (the
+  scan's second trace of its body counted as a call: the boxes hid the parameters' shapes from
+  the stack's placement)."""
+  model = ScannedBoxed()
+  capture = thor_linen.value_and_grad_with_stats(model, _loss)
+  tx = thor_optax.thor(0.1, 0.03, block_size=4)
+
+  def update(params, x, y):
+    (_, grads), stats = capture(params, x, y)
+    return tx.update(grads, tx.init(params), params, curvature_stats=stats)[0], stats
+
+  rng = np.random.default_rng(1)
+  x, y = rng.standard_normal((8, 4, 6)), rng.integers(0, 3, (8, 4))
+  with jax.enable_x64(True):
+    boxed = model.init(jax.random.PRNGKey(0), x)["params"]
+    assert isinstance(boxed["layers"]["in"]["kernel"], nn.LogicallyPartitioned)
+    (updates, stats), (want, plain_stats) = jax.jit(
+        lambda p: (update(p, x, y), update(nn.unbox(p), x, y)))(boxed)
+  assert stats.unhandled == plain_stats.unhandled == ()
+  assert sorted(stats.layers) == ["head", "layers"]
+  assert _max_diff(nn.unbox(updates), want) < 1e-12
+  assert _max_diff(nn.unbox(updates)["layers"], jax.tree.map(jnp.zeros_like,
+                                                              want["layers"])) > 1e-3
 
 
 def test_masked_boxed_layer_without_bias():

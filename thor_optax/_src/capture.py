@@ -815,7 +815,7 @@ class _Context:
   def placement(self, mod: nn.Module) -> Optional[tuple[tuple[int, ...], str]]:
     """``(stack, shared_over)`` of a module with parameters, ``None`` if it has none here."""
     outer = self.param_shapes.get(tuple(mod.path))
-    inner = mod.variables.get("params", {})
+    inner = nn.meta.unbox(mod.variables.get("params", {}))  # boxed leaves have no shape
     name = next((k for k in sorted(outer or {}) if k in inner
                  and hasattr(inner[k], "shape")), None)
     if name is None:
