@@ -10,6 +10,7 @@ listed with the reason.
 """
 
 import functools
+import math
 
 import flax.linen as nn
 from flax import nnx
@@ -648,16 +649,36 @@ class OwnDenseGeneral(nn.Module):
     return y + self.param("bias", nn.initializers.normal(0.1), self.features, F64)
 
 
+class FlatDenseGeneral(nn.Module):
+  """flaxformer's (T5X's) ``DenseGeneral`` style: the kernel stored flat, ``(prod(in_shape),
+  prod(features))``, and the bias ``(prod(features),)``, each reshaped before the product."""
+  features: tuple
+  axis: tuple = (-1,)
+
+  @nn.compact
+  def __call__(self, x):
+    axis = tuple(a % x.ndim for a in self.axis)
+    in_shape = tuple(x.shape[a] for a in axis)
+    kernel = self.param("kernel", nn.initializers.normal(0.3),
+                        (math.prod(in_shape), math.prod(self.features)), F64)
+    kernel = jnp.reshape(kernel, in_shape + self.features)
+    y = jax.lax.dot_general(x, kernel, ((axis, tuple(range(len(axis)))), ((), ())))
+    bias = self.param("bias", nn.initializers.normal(0.1), (math.prod(self.features),), F64)
+    return y + jnp.reshape(bias, self.features)
+
+
 class Heads(nn.Module):
   """A query ``(D,) -> (H, HD)`` and an output ``(H, HD) -> (D,)`` projection with biases, as
-  :class:`OwnDenseGeneral` or as ``nn.DenseGeneral``, the same leaves."""
-  own: bool = True
+  :class:`OwnDenseGeneral` (``form='own'``, the same leaves as ``nn.DenseGeneral``),
+  :class:`FlatDenseGeneral` (``'flat'``) or ``nn.DenseGeneral`` (``'flax'``)."""
+  form: str = "own"
 
   @nn.compact
   def __call__(self, x):
     def dense(features, axis, name):
-      if self.own:
-        return OwnDenseGeneral(features, axis, name=name)
+      if self.form != "flax":
+        cls = OwnDenseGeneral if self.form == "own" else FlatDenseGeneral
+        return cls(features, axis, name=name)
       return nn.DenseGeneral(features, axis, param_dtype=F64, name=name,
                              kernel_init=nn.initializers.normal(0.3))
 
@@ -676,11 +697,74 @@ def test_dense_general_of_its_own_equals_nn_dense_general(name):
   got, _, stats = _update(Heads(), params, x, y, TRANSFORMS[name], captured=True)
   assert not stats.unhandled
   assert (stats.layers["query"].bias_perm, stats.layers["out"].in_axes) == ((0, 1), 2)
-  want, _, _ = _update(Heads(False), params, x, y, TRANSFORMS[name], captured=True)
+  want, _, _ = _update(Heads("flax"), params, x, y, TRANSFORMS[name], captured=True)
   _assert_close(got, want)
   from_shapes, _, _ = _update(Heads(), params, x, y, TRANSFORMS[name], captured=False)
   _assert_close(from_shapes, want)
 
+
+def _as_dense_general(tree):
+  """:class:`FlatDenseGeneral`'s leaves of ``Heads('flat')`` as ``nn.DenseGeneral``'s."""
+  return {**tree, "query": {"kernel": tree["query"]["kernel"].reshape(D, H, HD),
+                            "bias": tree["query"]["bias"].reshape(H, HD)},
+          "out": {"kernel": tree["out"]["kernel"].reshape(H, HD, D), "bias": tree["out"]["bias"]}}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_flat_kernels_reshaped_in_the_call_equal_nn_dense_general(name):
+  """Kernels and biases stored flat and split by a reshape in the call (flaxformer): the flat
+  kernel is the layer's matrix; the same update as ``nn.DenseGeneral``, also from shapes alone
+  (before: listed, "applies reshape to the weight")."""
+  x, y = _batch(26)
+  params = reference.init_params(Heads("flat"), x)
+  got, _, stats = _update(Heads("flat"), params, x, y, TRANSFORMS[name], captured=True)
+  assert not stats.unhandled
+  assert stats.layers["out"].inputs.shape[-1] == H * HD  # the input's two contracted axes
+  want, _, _ = _update(Heads("flax"), _as_dense_general(params), x, y, TRANSFORMS[name],
+                       captured=True)
+  _assert_close(_as_dense_general(got), want)
+  from_shapes, _, _ = _update(Heads("flat"), params, x, y, TRANSFORMS[name], captured=False)
+  _assert_close(_as_dense_general(from_shapes), want)
+
+
+
+class SplitProduct(nn.Module):
+  """A projection to ``heads`` heads written ``(x @ w).reshape(..., heads, HD)``, ``w``
+  ``(D, heads * HD)`` (``flax=True``: ``nn.DenseGeneral((heads, HD))``), then a head."""
+  heads: int
+  flax: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    if self.flax:
+      h = nn.DenseGeneral((self.heads, HD), use_bias=False, param_dtype=F64, name="proj")(x)
+    else:
+      h = SplitProjection(self.heads, name="proj")(x)
+    return nn.Dense(K, param_dtype=F64, name="head")(jnp.tanh(h).reshape(x.shape[:-1] + (-1,)))
+
+
+class SplitProjection(nn.Module):
+  heads: int
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.normal(0.3), (x.shape[-1], self.heads * HD), F64)
+    return (x @ w).reshape(x.shape[:-1] + (self.heads, HD))
+
+
+@pytest.mark.parametrize("heads", [H, 1])
+def test_product_split_into_heads_equals_nn_dense_general(heads):
+  """The product reshaped into heads (one head too: an axis of size 1), and a batch of one
+  example: the same update as ``nn.DenseGeneral`` (before: listed)."""
+  for n in (N, 1):
+    x, y = _batch(27, (n, T, D))
+    params = reference.init_params(SplitProduct(heads), x)
+    got, _, stats = _update(SplitProduct(heads), params, x, y, TRANSFORMS["kfac"], captured=True)
+    assert not stats.unhandled
+    as_flax = {**params, "proj": {"kernel": params["proj"]["w"].reshape(D, heads, HD)}}
+    want, _, _ = _update(SplitProduct(heads, True), as_flax, x, y, TRANSFORMS["kfac"],
+                         captured=True)
+    _assert_close({**got, "proj": {"kernel": got["proj"]["w"].reshape(D, heads, HD)}}, want)
 
 class PerHead(nn.Module):  # a kernel per head: the heads are batch axes of the product
   @nn.compact
@@ -704,6 +788,21 @@ class OverTime(nn.Module):  # contracts the positions, not the features
                                                       F64))
 
 
+class Shifted(nn.Module):  # a constant added to the product (before: a TypeError)
+  @nn.compact
+  def __call__(self, x):
+    return jnp.einsum("BTNH,HK->BTNK", x, self.param("w", nn.initializers.normal(),
+                                                      (HD, D), F64)) + 1.0
+
+
+class BiasTransposedByReshape(nn.Module):  # lax.reshape with dimensions transposes the bias
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.normal(), (x.shape[-1], HD, HD), F64)
+    b = self.param("b", nn.initializers.normal(), (HD, HD), F64)
+    return jnp.einsum("BTNE,EGH->BTNGH", x, w) + jax.lax.reshape(b, (HD, HD), (1, 0))
+
+
 class Sliced(nn.Module):  # a rank-3 table of which one slice is applied
   @nn.compact
   def __call__(self, x):
@@ -714,7 +813,9 @@ class Sliced(nn.Module):  # a rank-3 table of which one slice is applied
 NOT_AN_EINSUM_PRODUCT = {PerHead: "contracts the input's axes (3,) over batch axes",
                          HeadBias: "adds a bias broadcast over some of the output features",
                          OverTime: "contracts the input's axes (1,), not its last ones",
-                         Sliced: "applies slice to the weight"}
+                         Sliced: "applies slice to the weight",
+                         Shifted: "applies add to the product",
+                         BiasTransposedByReshape: "lays the bias (3, 3) out as (3, 3)"}
 
 
 @pytest.mark.parametrize("cls", list(NOT_AN_EINSUM_PRODUCT), ids=lambda c: c.__name__)

@@ -4,13 +4,14 @@ Model libraries and tutorials write dense layers of their own: Hugging Face's Fl
 a ``FlaxConv1D`` whose ``kernel`` is stored ``(d_out, d_in)``, the PyTorch layout, and
 transposed before ``lax.dot_general``; Flax's guides write ``jnp.dot(x, self.param('kernel',
 ...)) + bias`` or ``x @ self.w + self.b``; the Gemma of Flax's examples projects with an
-``Einsum`` module of its own, ``jnp.einsum('BTD,NDH->BTNH', x, self.w)``, and MaxText with a
-``DenseGeneral`` of its own. Such a module has no Flax class for a kind to match, so this kind
+``Einsum`` module of its own, ``jnp.einsum('BTD,NDH->BTNH', x, self.w)``, MaxText with a
+``DenseGeneral`` of its own, and flaxformer's (T5X's) ``DenseGeneral`` stores its kernel flat,
+``(prod(in_shape), prod(features))``, reshaping it before the product. Such a module has no Flax class for a kind to match, so this kind
 recognises it from what its call computes: a linen or NNX module whose own parameters are one
 weight of rank 2 or more and an optional bias of lower rank, of any names, is traced alone on
-the shape of the call's input, and captured when its jaxpr is, up to float casts and
-transposes, ``dot_general(x, w) (+ b)`` contracting the input's last axes with some of the
-weight's, the bias laid along the weight's other axes (:func:`layout`). Anything else in the
+the shape of the call's input, and captured when its jaxpr is, up to float casts, transposes
+and reshapes that split whole axes, ``dot_general(x, w) (+ b)`` contracting the input's last
+axes with some of the weight's, the bias laid along the weight's other axes (:func:`layout`). Anything else in the
 call (a scale, an activation, a second use of the input or the weight) lists the module with
 the reason: the weight it applies would not be its parameter, or the layer would be more than
 the product K-FAC's factors describe.
@@ -41,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import math
 import threading
 from typing import Any, Optional
 
@@ -77,7 +79,8 @@ class MatmulStats:
     kernel_perm: the weight's axes in ``(contracted..., features...)`` order, the contracted
       ones in the order of the input's axes they meet (static): ``(1, 0)`` for a ``(d_out,
       d_in)`` weight applied transposed.
-    in_axes: the number of contracted axes (static).
+    in_axes: the number of the weight's contracted axes as stored (static; the input may
+      contract more, when the call splits a stored axis: ``(H * h, d) -> (H, h, d)``).
     bias_perm: the bias's axes in the order of the features they lie along (static).
     weight: the weight leaf's name (static).
     bias: the bias leaf's name, or ``None`` without one (static).
@@ -193,10 +196,11 @@ def layout(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Optional[dict]
   key for each random stream the call has (no FLOPs): what it reads from them (a mask,
   dropout) is then in the jaxpr. The
   jaxpr may cast the input, weight and bias to floats of at least 2 bytes, transpose the
-  weight and the product, contract the input's last axes with the weight's in one
-  ``dot_general`` (``x @ w``, ``x @ w.T``, ``jnp.einsum``), lay the bias along the weight's
-  other axes and call ``jit`` / ``remat`` bodies, and nothing else touches them
-  (:func:`_walk`); the output must be one array."""
+  weight and the product, split whole axes of the weight, bias and product by reshapes,
+  contract the input's last axes with whole axes of the weight in one ``dot_general`` (``x @
+  w``, ``x @ w.T``, ``jnp.einsum``), lay the bias along the weight's other axes and call
+  ``jit`` / ``remat`` bodies, and nothing else touches them (:func:`_walk`); the output must
+  be one array."""
   params = _params(module)
   weight, bias = own_weight(module)
   names = sorted(params)
@@ -210,11 +214,14 @@ def layout(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Optional[dict]
                   f"alone on its input ({type(e).__name__}: {str(e)[:120]}); register a layer "
                   "kind for it (thor_optax.register_layer_kind)")
   jaxpr = closed.jaxpr
-  tags = {v: ("kernel", tuple(range(v.aval.ndim))) if n == weight
-          else ("bias", tuple(range(v.aval.ndim)), v.aval.ndim)
+  whole = lambda v: tuple((j, 0, 1) for j in range(v.aval.ndim))  # noqa: E731
+  tags = {v: ("kernel", whole(v)) if n == weight else ("bias", whole(v), v.aval.ndim)
           for v, n in zip(jaxpr.invars, names)}
   tags[jaxpr.invars[len(names)]] = ("x",)
-  why = _walk(jaxpr, tags, jnp.ndim(x))
+  try:
+    why = _walk(jaxpr, tags, jnp.ndim(x))
+  except Exception as e:  # pylint: disable=broad-except  # an unforeseen form lists the module
+    why = f"its jaxpr could not be read ({type(e).__name__}: {str(e)[:120]})"
   out = [tags.get(v) if isinstance(v, jax.extend.core.Var) else None for v in jaxpr.outvars]
   want = "y" if bias is None else "y+b"
   if not why and any(t and t[0] in ("kernel", "bias") for t in out):
@@ -231,19 +238,21 @@ def layout(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Optional[dict]
 
 
 def _meta(tag: tuple, x_ndim: int) -> dict:
-  """The :mod:`einsum` layout of a product tagged ``('y', axes, contracted)`` or ``('y+b',
-  axes, contracted, bias_of)`` by :func:`_walk`: the input as it is (its contracted axes are
-  its last), the output's positions then the features (the weight's other axes, in its order)
-  as ``y_perm``, the weight's contracted then feature axes as ``kernel_perm``, and the bias's
-  axes along the features as ``bias_perm``."""
-  axes, contracted = tag[1], tag[2]
-  features = sorted(j for kind, j in axes if kind == "w")
-  positions = range(x_ndim - len(contracted))
-  bias_of = dict(tag[3]) if tag[0] == "y+b" else {}
+  """The :mod:`einsum` layout of a product tagged ``('y', axes, contracted, x_in_axes)`` or
+  ``('y+b', axes, contracted, x_in_axes, bias_of)`` by :func:`_walk`: the input as it is (its
+  ``x_in_axes`` contracted axes are its last), the output's positions then the features (the
+  weight's other axes, in its order, each split one's pieces in order) as ``y_perm``, the
+  weight's contracted then feature axes as ``kernel_perm`` and the number contracted as
+  ``in_axes``, and the bias's axes along the features as ``bias_perm``."""
+  axes, contracted, x_in_axes = tag[1], tag[2], tag[3]
+  pieces = sorted(label for kind, label in axes if kind == "w")
+  features = sorted({j for j, _, _ in pieces})
+  bias_of = dict(tag[4]) if tag[0] == "y+b" else {}
   return dict(x_perm=tuple(range(x_ndim)),
-              y_perm=tuple(axes.index(("x", i)) for i in positions)
-              + tuple(axes.index(("w", j)) for j in features),
+              y_perm=tuple(axes.index(("x", i)) for i in range(x_ndim - x_in_axes))
+              + tuple(axes.index(("w", label)) for label in pieces),
               kernel_perm=tuple(contracted) + tuple(features), in_axes=len(contracted),
+              x_in_axes=x_in_axes,
               bias_perm=tuple(bias_of[j] for j in features) if bias_of else ())
 
 
@@ -297,13 +306,17 @@ def _traced_nnx(module: nnx.Module, names: list, args: tuple, kwargs: dict) -> t
 
 def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
   """Tags every value of ``jaxpr`` that derives from the input ``('x',)``, the weight
-  ``('kernel', axes)`` (the weight's axis at each of the value's axes), the bias ``('bias',
-  axes, rank)`` (the bias's axis or ``None`` at each), their product ``('y', axes,
-  contracted)`` (``('x', i)`` or ``('w', j)``, the input's or the weight's axis, at each; the
-  weight's axes contracted, in the order of the input's) or the product plus the bias
-  (``('y+b', axes, contracted, bias_of)``, ``bias_of`` pairing each feature axis of the weight
-  with the bias's axis along it); returns why an equation does something else to them (``''``:
-  nothing else)."""
+  ``('kernel', pieces)``, the bias ``('bias', pieces, rank)``, their product ``('y', axes,
+  contracted, x_in_axes)`` or the product plus the bias ``('y+b', axes, contracted, x_in_axes,
+  bias_of)``; returns why an equation does something else to them (``''``: nothing else).
+
+  A piece ``(j, i, n)`` is the ``i``-th of the ``n`` axes a reshape split the weight's (or
+  bias's) stored axis ``j`` into (``(j, 0, 1)``: the axis itself), ``None`` an axis the bias
+  is broadcast along. The product's ``axes`` are ``('x', i)`` (the input's axis ``i``) or
+  ``('w', piece)`` (a weight axis not contracted), ``contracted`` the weight's stored axes
+  contracted, in the order of the input's axes they meet, ``x_in_axes`` the number of the
+  input's (last) axes contracted, and ``bias_of`` pairs each feature axis of the weight with
+  the bias's axis along it."""
   for eqn in jaxpr.eqns:
     ins = [tags.get(v) if isinstance(v, jax.extend.core.Var) else None for v in eqn.invars]
     if not any(ins):
@@ -311,6 +324,7 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
     name, out = eqn.primitive.name, eqn.outvars
     tagged = [t for t in ins if t]
     kinds = [t[0] if t else None for t in ins]
+    before, after = eqn.invars[0].aval.shape, tuple(out[0].aval.shape)
     if name in _CASTS and len(ins) == 1:
       dtype = out[0].aval.dtype
       if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
@@ -329,11 +343,18 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
     elif name == "transpose" and kinds[0] in ("kernel", "y", "y+b"):
       t = ins[0]
       tags[out[0]] = (t[0], tuple(t[1][p] for p in eqn.params["permutation"])) + t[2:]
+    elif name == "reshape" and kinds[0] in ("kernel", "y", "y+b") and len(tagged) == 1:
+      t = ins[0]
+      axes = (_split(t[1], before, after, eqn.params.get("dimensions"))
+              if t[0] == "kernel" else _split_product(t[1], before, after, eqn))
+      if axes is None:
+        return (f"it reshapes the {_WORDS[t[0]]} {tuple(before)} to {tuple(after)} other than "
+                "by splitting whole axes")
+      tags[out[0]] = (t[0], axes) + t[2:]
     elif name in ("reshape", "broadcast_in_dim", "squeeze", "expand_dims") \
-        and kinds[:1] == ["bias"] and len(tagged) == 1:
+        and kinds[0] == "bias" and len(tagged) == 1:
       axes = _bias_axes(eqn, ins[0][1])
       if axes is None:
-        before, after = eqn.invars[0].aval.shape, out[0].aval.shape
         return f"it lays the bias {tuple(before)} out as {tuple(after)}, not along the features"
       tags[out[0]] = ("bias", axes, ins[0][2])
     elif name == "dot_general" and kinds in (["x", "kernel"], ["kernel", "x"]):
@@ -341,7 +362,7 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
       if why:
         return why
       tags[out[0]] = tag
-    elif name in ("add", "add_any") and sorted(kinds) == ["bias", "y"]:
+    elif name in ("add", "add_any") and sorted(map(str, kinds)) == ["bias", "y"]:
       y, b = sorted(zip(kinds, ins, eqn.invars), key=lambda t: t[0] != "y")
       bias_of, why = _bias_along(y[1][1], b[1], y[2].aval.shape, b[2].aval.shape)
       if why:
@@ -353,10 +374,51 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
   return ""
 
 
+def _split(labels: tuple, before: tuple, after: tuple, dimensions: Any) -> Optional[tuple]:
+  """The pieces at each axis of a row-major reshape ``before -> after`` of a value whose axes
+  are ``labels`` (pieces ``(j, i, n)``) that splits whole axes into consecutive ones (of which
+  some may have size 1) and keeps the others (flaxformer's ``(d_in, H * h) -> (d_in, H, h)``
+  kernel), else ``None``: a merge, a transposing reshape (``dimensions``), an axis dropped."""
+  if dimensions is not None and tuple(dimensions) != tuple(range(len(before))):
+    return None
+  out, k = [], 0
+  for at, (label, n) in enumerate(zip(labels, before)):
+    if n == 1:  # kept as an axis of size 1
+      if k == len(after) or after[k] != 1:
+        return None
+      out.append(label)
+      k += 1
+      continue
+    sizes = []
+    while k < len(after) and (math.prod(sizes) < n or (after[k] == 1 and at == len(before) - 1)):
+      sizes.append(after[k])
+      k += 1
+    if math.prod(sizes) != n:
+      return None
+    if len(sizes) == 1:
+      out.append(label)
+    elif label is not None and label[1:] == (0, 1):
+      out.extend((label[0], i, len(sizes)) for i in range(len(sizes)))
+    else:
+      return None
+  return tuple(out) if k == len(after) else None
+
+
+def _split_product(axes: tuple, before: tuple, after: tuple, eqn: Any) -> Optional[tuple]:
+  """:func:`_split` of a product's ``axes`` (``('x', i)`` kept whole, ``('w', piece)`` split):
+  ``(x @ w).reshape(N, T, H, h)``."""
+  split = _split(tuple(label if kind == "w" else None for kind, label in axes), before, after,
+                 eqn.params.get("dimensions"))
+  if split is None:
+    return None
+  xs = iter(a for a in axes if a[0] == "x")
+  return tuple(next(xs) if p is None else ("w", p) for p in split)
+
+
 def _product(eqn: Any, ins: list, x_ndim: int) -> tuple[Optional[tuple], str]:
-  """``(('y', axes, contracted), '')`` for a ``dot_general`` of the input and the weight (in
-  either order) with no batch axes that contracts the input's last axes, else ``(None,
-  why)``."""
+  """``(('y', axes, contracted, x_in_axes), '')`` for a ``dot_general`` of the input and the
+  weight (in either order) with no batch axes that contracts the input's last axes with whole
+  weight axes, each in its pieces' order, else ``(None, why)``."""
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   x_first = ins[0][0] == "x"
   xc, wc = (lc, rc) if x_first else (rc, lc)
@@ -365,25 +427,38 @@ def _product(eqn: Any, ins: list, x_ndim: int) -> tuple[Optional[tuple], str]:
   if lb or rb or tuple(sorted(xc)) != last or len(xc) >= x_ndim:
     return None, (f"its product contracts the input's axes {tuple(xc)}"
                   f"{' over batch axes' if lb else ''}, not its last ones")
-  contracted = tuple(w_axes[j] for _, j in sorted(zip(xc, wc)))
+  met = [w_axes[j] for _, j in sorted(zip(xc, wc))]  # pieces, in the input's order
+  contracted = tuple(dict.fromkeys(j for j, _, _ in met))
+  count = {j: n for j, _, n in met}
+  if met != [(j, i, count[j]) for j in contracted for i in range(count[j])]:
+    return None, "its product contracts parts of the weight's axes, or them out of order"
   x_free = [("x", i) for i in range(x_ndim - len(xc))]
   w_free = [("w", w_axes[j]) for j in range(len(w_axes)) if j not in wc]
-  return ("y", tuple(x_free + w_free if x_first else w_free + x_free), contracted), ""
+  if any(p[0] in contracted for _, p in w_free):
+    return None, "its product contracts parts of the weight's axes, or them out of order"
+  return ("y", tuple(x_free + w_free if x_first else w_free + x_free), contracted,
+          len(xc)), ""
 
 
 def _bias_axes(eqn: Any, axes: tuple) -> Optional[tuple]:
-  """The bias's axis (or ``None``) at each axis of a reshape / broadcast / squeeze /
-  expand_dims of it, or ``None`` when it does more than add or drop axes of size 1 and
-  broadcast."""
+  """The bias's piece (or ``None``) at each axis of a reshape / broadcast / squeeze /
+  expand_dims of it, or ``None`` when it does more than add or drop axes of size 1, broadcast
+  (in order) and split whole axes (:func:`_split`)."""
   before, after = eqn.invars[0].aval.shape, tuple(eqn.outvars[0].aval.shape)
   if eqn.primitive.name == "broadcast_in_dim":
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    if list(dims) != sorted(dims):
+      return None
     new = [None] * len(after)
-    for k, d in enumerate(eqn.params["broadcast_dimensions"]):
+    for k, d in enumerate(dims):
       new[d] = axes[k] if before[k] == after[d] else None
     return tuple(new)
+  dimensions = eqn.params.get("dimensions")
+  if dimensions is not None and tuple(dimensions) != tuple(range(len(before))):
+    return None
   kept = [(n, a) for n, a in zip(before, axes) if n != 1]
   if [n for n, _ in kept] != [n for n in after if n != 1]:
-    return None
+    return _split(axes, before, after, None) if eqn.primitive.name == "reshape" else None
   if len(after) >= len(before) and after[len(after) - len(before):] == tuple(before):
     return (None,) * (len(after) - len(before)) + tuple(axes)  # leading axes of size 1 added
   it = iter(a for _, a in kept)
@@ -392,17 +467,19 @@ def _bias_axes(eqn: Any, axes: tuple) -> Optional[tuple]:
 
 def _bias_along(y_axes: tuple, bias: tuple, y_shape: tuple, b_shape: tuple
                 ) -> tuple[Optional[tuple], str]:
-  """``(bias_of, '')``, the bias's axis along each feature axis of the weight, when the bias
-  added to the product lies along all its features and nothing else, else ``(None, why)``."""
+  """``(bias_of, '')``, the bias's stored axis along each feature axis of the weight, when the
+  bias added to the product lies along all its features (split alike) and nothing else, else
+  ``(None, why)``."""
   b_axes, rank = bias[1], bias[2]
   if len(b_axes) != len(y_axes):
     return None, "it adds the bias at a rank other than the product's"
   bias_of = {}
-  for (kind, j), a, n, m in zip(y_axes, b_axes, y_shape, b_shape):
+  for (kind, label), a, n, m in zip(y_axes, b_axes, y_shape, b_shape):
     if a is not None and m == n:
       if kind != "w":
         return None, "it adds the bias along the input's positions, not the features"
-      bias_of[j] = a
+      if a[1:] != label[1:] or bias_of.setdefault(label[0], a[0]) != a[0]:
+        return None, "its bias is laid out otherwise than the features it is added to"
     elif kind == "w":
       return None, "it adds a bias broadcast over some of the output features"
   if sorted(bias_of.values()) != list(range(rank)):
@@ -474,15 +551,22 @@ class Matmul(einsum.Einsum):
     meta, why = layout(module, args, kwargs)
     return base.Plan(meta, why)
 
-  def make_stats(self, inputs, cotangents, *, x_perm, y_perm, kernel_perm, in_axes, bias_perm,
-                 weight, bias) -> Any:
-    """``DenseStats`` for ``nn.Dense``'s layout, else :class:`MatmulStats`."""
-    if (kernel_perm == (0, 1) and y_perm == tuple(range(len(y_perm))) and weight == "kernel"
-        and bias in (None, "bias")):
-      return dense.DenseStats(inputs=inputs, cotangents=cotangents)
-    x, g = einsum.flattened(inputs, cotangents, x_perm, y_perm, in_axes)
+  def make_stats(self, inputs, cotangents, *, x_perm, y_perm, kernel_perm, in_axes, x_in_axes,
+                 bias_perm, weight, bias) -> Any:
+    """``DenseStats`` for ``nn.Dense``'s layout, else :class:`MatmulStats` (the input's
+    ``x_in_axes`` contracted axes flattened, the features in the weight's order)."""
+    x, g = einsum.flattened(inputs, cotangents, x_perm, y_perm, x_in_axes)
+    if (kernel_perm == (0, 1) and x_in_axes == 1 and y_perm == tuple(range(len(y_perm)))
+        and weight == "kernel" and bias in (None, "bias")):
+      return dense.DenseStats(inputs=x, cotangents=g)
     return MatmulStats(inputs=x, cotangents=g, kernel_perm=kernel_perm, in_axes=in_axes,
                        bias_perm=bias_perm, weight=weight, bias=bias)
+
+  def output_positions(self, meta, out_ndim):
+    """The output axes of the positions after the example axis (the input's axes not
+    contracted)."""
+    del out_ndim
+    return tuple(meta["y_perm"][1:len(meta["x_perm"]) - meta["x_in_axes"]])
 
   def hint(self, stats: MatmulStats) -> tuple:
     return (stats.kernel_perm, stats.in_axes, stats.bias_perm, stats.weight, stats.bias)
