@@ -6,15 +6,16 @@ transposed before ``lax.dot_general``; Flax's guides write ``jnp.dot(x, self.par
 ...)) + bias`` or ``x @ self.w + self.b``; the Gemma of Flax's examples projects with an
 ``Einsum`` module of its own, ``jnp.einsum('BTD,NDH->BTNH', x, self.w)``, MaxText with a
 ``DenseGeneral`` of its own, and flaxformer's (T5X's) ``DenseGeneral`` stores its kernel flat,
-``(prod(in_shape), prod(features))``, reshaping it before the product. Such a module has no Flax class for a kind to match, so this kind
-recognises it from what its call computes: a linen or NNX module whose own parameters are one
-weight of rank 2 or more and an optional bias of lower rank, of any names, is traced alone on
-the shape of the call's input, and captured when its jaxpr is, up to float casts, transposes
-and reshapes that split whole axes, ``dot_general(x, w) (+ b)`` contracting the input's last
-axes with some of the weight's, the bias laid along the weight's other axes (:func:`layout`). Anything else in the
-call (a scale, an activation, a second use of the input or the weight) lists the module with
-the reason: the weight it applies would not be its parameter, or the layer would be more than
-the product K-FAC's factors describe.
+``(prod(in_shape), prod(features))``, reshaping it before the product. Such a module has no
+Flax class for a kind to match, so this kind recognises it from what its call computes: a
+linen or NNX module whose own parameters are one weight of rank 2 or more and an optional bias
+of lower rank, of any names, is traced alone on the shape of the call's input, and captured
+when its jaxpr is, up to float casts, transposes and reshapes that split whole axes,
+``dot_general(x, w) (+ b)`` contracting the input's last axes with some of the weight's, the
+bias laid along the weight's other axes (:func:`layout`). Anything else in the call (a scale,
+an activation, a second use of the input or the weight) lists the module with the reason: the
+weight it applies would not be its parameter, or the layer would be more than the product
+K-FAC's factors describe.
 
 As a matrix the weight, its contracted axes first (in the input's order) and its other axes,
 the output features, after, is ``(d_in, d_out)``; the input's contracted axes are flattened
