@@ -325,7 +325,8 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
     name, out = eqn.primitive.name, eqn.outvars
     tagged = [t for t in ins if t]
     kinds = [t[0] if t else None for t in ins]
-    before, after = eqn.invars[0].aval.shape, tuple(out[0].aval.shape)
+    before = eqn.invars[0].aval.shape
+    after = tuple(out[0].aval.shape) if out else ()  # (a debug callback has no output)
     if name in _CASTS and len(ins) == 1:
       dtype = out[0].aval.dtype
       if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
