@@ -644,50 +644,38 @@ def test_einsum_modules_of_their_own_equal_nn_einsum(name, form):
 
 
 class OwnDenseGeneral(nn.Module):
-  """MaxText's ``DenseGeneral`` style: a kernel ``in_shape + features`` contracted with the
-  input's last axes by ``lax.dot_general``, a bias ``features`` added."""
+  """A ``DenseGeneral`` of its own contracting the input's last axes by ``lax.dot_general``, in
+  MaxText's style (a kernel ``in_shape + features``, a bias ``features``) or, ``flat=True``,
+  flaxformer's (T5X's): the kernel stored ``(prod(in_shape), prod(features))`` and the bias
+  ``(prod(features),)``, each reshaped before the product."""
   features: tuple
   axis: tuple = (-1,)
+  flat: bool = False
 
   @nn.compact
   def __call__(self, x):
     axis = tuple(a % x.ndim for a in self.axis)
     in_shape = tuple(x.shape[a] for a in axis)
-    kernel = self.param("kernel", nn.initializers.normal(0.3), in_shape + self.features, F64)
+    shape = in_shape + self.features
+    stored = (math.prod(in_shape), math.prod(self.features)) if self.flat else shape
+    kernel = self.param("kernel", nn.initializers.normal(0.3), stored, F64).reshape(shape)
     y = jax.lax.dot_general(x, kernel, ((axis, tuple(range(len(axis)))), ((), ())))
-    return y + self.param("bias", nn.initializers.normal(0.1), self.features, F64)
-
-
-class FlatDenseGeneral(nn.Module):
-  """flaxformer's (T5X's) ``DenseGeneral`` style: the kernel stored flat, ``(prod(in_shape),
-  prod(features))``, and the bias ``(prod(features),)``, each reshaped before the product."""
-  features: tuple
-  axis: tuple = (-1,)
-
-  @nn.compact
-  def __call__(self, x):
-    axis = tuple(a % x.ndim for a in self.axis)
-    in_shape = tuple(x.shape[a] for a in axis)
-    kernel = self.param("kernel", nn.initializers.normal(0.3),
-                        (math.prod(in_shape), math.prod(self.features)), F64)
-    kernel = jnp.reshape(kernel, in_shape + self.features)
-    y = jax.lax.dot_general(x, kernel, ((axis, tuple(range(len(axis)))), ((), ())))
-    bias = self.param("bias", nn.initializers.normal(0.1), (math.prod(self.features),), F64)
-    return y + jnp.reshape(bias, self.features)
+    bias = self.param("bias", nn.initializers.normal(0.1),
+                      (math.prod(self.features),) if self.flat else self.features, F64)
+    return y + bias.reshape(self.features)
 
 
 class Heads(nn.Module):
   """A query ``(D,) -> (H, HD)`` and an output ``(H, HD) -> (D,)`` projection with biases, as
-  :class:`OwnDenseGeneral` (``form='own'``, the same leaves as ``nn.DenseGeneral``),
-  :class:`FlatDenseGeneral` (``'flat'``) or ``nn.DenseGeneral`` (``'flax'``)."""
+  :class:`OwnDenseGeneral` (``form='own'``, the same leaves as ``nn.DenseGeneral``; ``'flat'``:
+  stored flat) or ``nn.DenseGeneral`` (``'flax'``)."""
   form: str = "own"
 
   @nn.compact
   def __call__(self, x):
     def dense(features, axis, name):
       if self.form != "flax":
-        cls = OwnDenseGeneral if self.form == "own" else FlatDenseGeneral
-        return cls(features, axis, name=name)
+        return OwnDenseGeneral(features, axis, flat=self.form == "flat", name=name)
       return nn.DenseGeneral(features, axis, param_dtype=F64, name=name,
                              kernel_init=nn.initializers.normal(0.3))
 
@@ -713,7 +701,7 @@ def test_dense_general_of_its_own_equals_nn_dense_general(name):
 
 
 def _as_dense_general(tree):
-  """:class:`FlatDenseGeneral`'s leaves of ``Heads('flat')`` as ``nn.DenseGeneral``'s."""
+  """The flat leaves of ``Heads('flat')`` as ``nn.DenseGeneral``'s."""
   return {**tree, "query": {"kernel": tree["query"]["kernel"].reshape(D, H, HD),
                             "bias": tree["query"]["bias"].reshape(H, HD)},
           "out": {"kernel": tree["out"]["kernel"].reshape(H, HD, D), "bias": tree["out"]["bias"]}}
