@@ -270,10 +270,10 @@ def one_array_input(args: tuple, kwargs: dict) -> bool:
     at = input_position(args, kwargs)
   except ValueError:
     return False
+  x = args[at] if isinstance(at, int) else kwargs[at]
   others = [a for i, a in enumerate(args) if i != at]
   others += [v for k, v in kwargs.items() if k != at]
-  return (isinstance(primary_input(args, kwargs), jax.Array)
-          and all(type(v) in _CONSTANTS for v in others))
+  return isinstance(x, jax.Array) and all(type(v) in _CONSTANTS for v in others)
 
 
 class Plan(NamedTuple):

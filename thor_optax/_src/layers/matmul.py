@@ -347,8 +347,8 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
       tags[out[0]] = (t[0], tuple(t[1][p] for p in eqn.params["permutation"])) + t[2:]
     elif name == "reshape" and kinds[0] in ("kernel", "y", "y+b") and len(tagged) == 1:
       t = ins[0]
-      axes = (_split(t[1], before, after, eqn.params.get("dimensions"))
-              if t[0] == "kernel" else _split_product(t[1], before, after, eqn))
+      split = _split if t[0] == "kernel" else _split_product
+      axes = split(t[1], before, after, eqn.params.get("dimensions"))
       if axes is None:
         return (f"it reshapes the {_WORDS[t[0]]} {tuple(before)} to {tuple(after)} other than "
                 "by splitting whole axes")
@@ -406,11 +406,12 @@ def _split(labels: tuple, before: tuple, after: tuple, dimensions: Any) -> Optio
   return tuple(out) if k == len(after) else None
 
 
-def _split_product(axes: tuple, before: tuple, after: tuple, eqn: Any) -> Optional[tuple]:
+def _split_product(axes: tuple, before: tuple, after: tuple, dimensions: Any
+                   ) -> Optional[tuple]:
   """:func:`_split` of a product's ``axes`` (``('x', i)`` kept whole, ``('w', piece)`` split):
   ``(x @ w).reshape(N, T, H, h)``."""
   split = _split(tuple(label if kind == "w" else None for kind, label in axes), before, after,
-                 eqn.params.get("dimensions"))
+                 dimensions)
   if split is None:
     return None
   xs = iter(a for a in axes if a[0] == "x")
