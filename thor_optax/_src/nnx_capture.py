@@ -80,6 +80,7 @@ import jax.numpy as jnp
 from thor_optax._src import attention_keys
 from thor_optax._src import capture as capture_lib
 from thor_optax._src import layers as layers_lib
+from thor_optax._src.layers import traced
 from thor_optax._src import stats as stats_lib
 from thor_optax._src import step_sharing
 
@@ -102,7 +103,7 @@ def _wrapper(original: Callable[..., Any], method: str) -> Callable[..., Any]:
   def wrapped(self, *args, **kwargs):
     handler = getattr(_local, "handler", None)
     active = _local.__dict__.setdefault("active", set())
-    if handler is None or layers_lib.matmul.tracing_alone() or (id(self), method) in active:
+    if handler is None or traced.tracing_alone() or (id(self), method) in active:
       return original(self, *args, **kwargs)
     active.add((id(self), method))
     try:

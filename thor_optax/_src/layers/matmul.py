@@ -39,12 +39,8 @@ References:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import inspect
 import math
-import threading
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -55,14 +51,9 @@ import jax.numpy as jnp
 from thor_optax._src.layers import base
 from thor_optax._src.layers import dense
 from thor_optax._src.layers import einsum
+from thor_optax._src.layers import traced
 
-# Identities up to the dtype (a cast to a float of at least 2 bytes: rounding to fp8 or by
-# reduce_precision changes the weight applied), and calls whose body is walked.
-_CASTS = frozenset({"convert_element_type", "copy", "copy_p", "name"})
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2",
-                    "checkpoint"})
 _WORDS = {"x": "input", "kernel": "weight", "bias": "bias", "y": "product", "y+b": "output"}
-_tracing = threading.local()  # set while a module's call is traced alone (no kind matches)
 
 
 @jax.tree_util.register_dataclass
@@ -104,68 +95,19 @@ class MatmulStats:
   num_terms: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
 
 
-@contextlib.contextmanager
-def _alone():
-  """While a module's call is traced by :func:`layout`, no module matches this kind (the
-  capture's interceptor sees the traced copy's call as a plain module's)."""
-  _tracing.on = True
-  try:
-    yield
-  finally:
-    _tracing.on = False
-
-
-def tracing_alone() -> bool:
-  """Whether a module's call is being traced alone by :func:`layout` in this thread (the NNX
-  capture's interceptor then lets the traced copy's calls through)."""
-  return getattr(_tracing, "on", False)
-
-
-def _params(module: Any) -> dict:
-  """The module's own parameters ``{name: array}``, without the capture's channels: a linen
-  module's ``params`` collection, unboxed, but leaves named ``'~thor...'``; an NNX module's
-  ``nnx.Param`` attributes but those named ``'_thor...'``."""
-  if isinstance(module, nnx.Module):
-    return {k: v.get_value() for k, v in vars(module).items()
-            if isinstance(v, nnx.Param) and not k.startswith("_thor")}
-  params = module.variables.get("params", {})
-  return {k: nn.meta.unbox(v) for k, v in params.items() if not str(k).startswith("~thor")}
-
-
-def _nested_params(module: nnx.Module) -> bool:
-  """Whether an NNX module holds parameters in submodules (or containers) of its own."""
-  return any(isinstance(node, nnx.Param) and len(path) > 1
-             for path, node in nnx.iter_graph(module))
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_an_input(cls: type) -> bool:
-  """Whether ``cls`` defines a ``__call__`` that takes a positional argument besides ``self``
-  (its input; any others must be Python constants in each call, :func:`base.one_array_input`,
-  with which the call is traced)."""
-  call = next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
-  try:
-    params = list(inspect.signature(call).parameters.values())[1:]
-  except (TypeError, ValueError):
-    return False
-  return any(p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                        inspect.Parameter.VAR_POSITIONAL) for p in params)
-
-
 def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
   """``(weight name, bias name or None)`` of a bound linen module or an NNX module whose
   ``__call__`` takes an input and whose own parameters are one weight of rank 2 or more
   and at most one bias of lower rank (at least 1) whose dimensions are among the weight's,
   with no submodule parameters; ``None`` otherwise."""
   if isinstance(module, nnx.Module):
-    if not _takes_an_input(type(module)):
+    if not traced.takes_an_input(type(module)):
       return None
   elif (not isinstance(module, nn.Module) or getattr(module, "scope", None) is None
-        or not _takes_an_input(type(module))):
+        or not traced.takes_an_input(type(module))):
     return None
   try:
-    leaves = _params(module)
+    leaves = traced.own_params(module)
   except Exception:  # pylint: disable=broad-except  # a scope Flax invalidated
     return None
   if not all(hasattr(v, "shape") for v in leaves.values()):
@@ -178,7 +120,7 @@ def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
       0 < leaves[bias].ndim < leaves[weight].ndim
       and all(d in leaves[weight].shape for d in leaves[bias].shape)):
     return None
-  if isinstance(module, nnx.Module) and _nested_params(module):  # last: it walks the graph
+  if isinstance(module, nnx.Module) and traced.nested_params(module):  # last: it walks the graph
     return None
   return weight, bias
 
@@ -202,14 +144,12 @@ def layout(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Optional[dict]
   w``, ``x @ w.T``, ``jnp.einsum``), lay the bias along the weight's other axes and call
   ``jit`` / ``remat`` bodies, and nothing else touches them (:func:`_walk`); the output must
   be one array."""
-  params = _params(module)
+  params = traced.own_params(module)
   weight, bias = own_weight(module)
   names = sorted(params)
   x = base.primary_input(args, kwargs)
   try:
-    with _alone():
-      closed, shape = (_traced_nnx if isinstance(module, nnx.Module) else _traced_linen)(
-          module, names, args, kwargs)
+    closed, shape = traced.trace_alone(module, names, args, kwargs)
   except Exception as e:  # pylint: disable=broad-except  # any failure lists the module
     return None, (f"{type(module).__name__} holds a weight but its call could not be traced "
                   f"alone on its input ({type(e).__name__}: {str(e)[:120]}); register a layer "
@@ -257,54 +197,6 @@ def _meta(tag: tuple, x_ndim: int) -> dict:
               bias_perm=tuple(bias_of[j] for j in features) if bias_of else ())
 
 
-def _abstract(v: Any) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
-
-
-def _traced_linen(module: nn.Module, names: list, args: tuple, kwargs: dict
-                  ) -> tuple[Any, Any]:
-  """``(closed jaxpr, output shape)`` of an unbound copy of a linen module applied to the
-  call's arguments, traced from ``(parameters named `names`..., the input x, other
-  collections)``, with a key for each random stream of the call."""
-  params = _params(module)
-  others = nn.meta.unbox({col: v for col, v in module.variables.items() if col != "params"})
-  streams = sorted(getattr(module.scope, "rngs", None) or {})
-  copy = module.clone(parent=None)
-
-  def call(leaves, x, others):
-    rngs = {name: jax.random.key(0) for name in streams}
-    xargs, xkwargs = base.with_input(args, kwargs, x)
-    return copy.apply({"params": dict(zip(names, leaves)), **others}, *xargs, rngs=rngs,
-                      **xkwargs)
-
-  return jax.make_jaxpr(call, return_shape=True)(
-      [_abstract(params[k]) for k in names], _abstract(base.primary_input(args, kwargs)),
-      jax.tree.map(_abstract, others))
-
-
-def _traced_nnx(module: nnx.Module, names: list, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-  """``(closed jaxpr, output shape)`` of a copy of an NNX module called with the call's
-  arguments, traced from ``(parameters named `names`..., the input x, the module's other
-  state)``."""
-  graphdef, state = nnx.split(module)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-  keys = [tuple(str(k.key) for k in path if hasattr(k, "key")) for path, _ in leaves]
-  own = [keys.index((k,)) for k in names]
-  rest = [i for i in range(len(leaves)) if i not in own]
-
-  def call(params, x, others):
-    values = [None] * len(leaves)
-    for i, v in zip(own + rest, list(params) + list(others)):
-      values[i] = v
-    xargs, xkwargs = base.with_input(args, kwargs, x)
-    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))(*xargs,
-                                                                             **xkwargs)
-
-  return jax.make_jaxpr(call, return_shape=True)(
-      [_abstract(leaves[i][1]) for i in own], _abstract(base.primary_input(args, kwargs)),
-      [_abstract(leaves[i][1]) for i in rest])
-
-
 def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
   """Tags every value of ``jaxpr`` that derives from the input ``('x',)``, the weight
   ``('kernel', pieces)``, the bias ``('bias', pieces, rank)``, their product ``('y', axes,
@@ -327,12 +219,12 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
     kinds = [t[0] if t else None for t in ins]
     before = eqn.invars[0].aval.shape
     after = tuple(out[0].aval.shape) if out else ()  # (a debug callback has no output)
-    if name in _CASTS and len(ins) == 1:
+    if name in traced.CASTS and len(ins) == 1:
       dtype = out[0].aval.dtype
       if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
         return f"it casts the {_WORDS[ins[0][0]]} to {dtype}"
       tags[out[0]] = ins[0]
-    elif name in _CALLS and "jaxpr" in eqn.params:
+    elif name in traced.CALLS and "jaxpr" in eqn.params:
       inner = eqn.params["jaxpr"]
       inner = getattr(inner, "jaxpr", inner)
       sub = {v: t for v, t in zip(inner.invars, ins) if t}
@@ -534,7 +426,7 @@ class Matmul(einsum.Einsum):
     """A bound linen module or an NNX module with one weight of its own
     (:func:`own_weight`); whether its call is a product is the plan's question
     (:meth:`plan_call`)."""
-    return not tracing_alone() and own_weight(module) is not None
+    return not traced.tracing_alone() and own_weight(module) is not None
 
   def plan(self, module, methods, input_shape) -> base.Plan:
     """A dense layer's: the input needs an example axis."""
