@@ -318,11 +318,12 @@ def _kronecker_state(opt_state):
 
 
 class Gain(nnx.Module):
-  """A module of no registered kind: one learned gain per feature."""
+  """A module of no registered kind: one learned gain for all features (a scalar; a gain per
+  feature is a ``'channel_affine'`` layer)."""
 
   def __init__(self, features, rngs):
-    del rngs
-    self.gain = nnx.Param(jnp.ones((features,)))
+    del features, rngs
+    self.gain = nnx.Param(jnp.ones(()))
 
   def __call__(self, x):
     return x * self.gain[...]

@@ -275,6 +275,8 @@ class KindNet(nn.Module):
       h = nn.LayerNorm(name="layer")(nn.Dense(4, name="pre")(x))
     elif self.kind == "matmul":  # a module of no Flax class, its kernel applied transposed
       h = TransposedDense(4, name="layer")(x)
+    elif self.kind == "channel_affine":  # a layer norm of no Flax class, leaves gamma / beta
+      h = HandLayerNorm(name="layer")(nn.Dense(4, name="pre")(x))
     else:
       raise ValueError(f"no test layer of kind {self.kind!r}: add one to KindNet and NnxKindNet")
     return nn.Dense(3, name="head")(jnp.tanh(h))
@@ -289,6 +291,29 @@ class TransposedDense(nn.Module):
   def __call__(self, x):
     kernel = self.param("kernel", nn.initializers.normal(), (self.features, x.shape[-1]))
     return x @ kernel.T + self.param("bias", nn.initializers.zeros, (self.features,))
+
+
+class HandLayerNorm(nn.Module):
+  """``gamma * (x - mean) / std + beta`` over the last axis, written by hand."""
+
+  @nn.compact
+  def __call__(self, x):
+    gamma = self.param("gamma", nn.initializers.ones, (x.shape[-1],))
+    beta = self.param("beta", nn.initializers.zeros, (x.shape[-1],))
+    return gamma * (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) \
+        + beta
+
+
+class NnxHandLayerNorm(nnx.Module):
+  """:class:`HandLayerNorm` in NNX (attributes ``gamma``, ``beta``)."""
+
+  def __init__(self, features):
+    self.gamma = nnx.Param(jnp.ones((features,), F64))
+    self.beta = nnx.Param(jnp.zeros((features,), F64))
+
+  def __call__(self, x):
+    return self.gamma[...] * (x - x.mean(-1, keepdims=True)) / jnp.sqrt(
+        x.var(-1, keepdims=True) + 1e-5) + self.beta[...]
 
 
 class NnxTransposedDense(nnx.Module):
@@ -325,6 +350,9 @@ class NnxKindNet(nnx.Module):
       self.layer = nnx.LayerNorm(4, **kw)
     elif kind == "matmul":
       self.layer = NnxTransposedDense(3, 4, rngs)
+    elif kind == "channel_affine":
+      self.pre = nnx.Linear(3, 4, **kw)
+      self.layer = NnxHandLayerNorm(4)
     else:
       raise ValueError(f"no test layer of kind {kind!r}: add one to KindNet and NnxKindNet")
     self.head = nnx.Linear(4, 3, **kw)
@@ -425,8 +453,8 @@ def test_layer_kind(kind):
     claim = kind.claim_captured(("layer",), shapes, kind.hint(stats.layers["layer"]))
     assert claim is not None
     # An einsum's contracted axes are in its equation only; that a kernel is applied
-    # transposed, in the traced call only.
-    if kind.name not in ("einsum", "matmul"):
+    # transposed, or which vector is a scale, in the traced call only.
+    if kind.name not in ("einsum", "matmul", "channel_affine"):
       assert kind.claim(("layer",), shapes) == claim
       assert layers_lib.claim(("layer",), shapes) == (kind, claim)
       shape_only = blocks.build_layout(params, None).layer("layer")
@@ -463,8 +491,8 @@ def _check_gradient_matrix(kind, spec, leaves, layer_stats, shapes):
   examples and positions (normalization layers: the per-example gradients average to it)."""
   n = BATCH
   if spec.g is None:  # side curvature only
-    assert kind.name == "norm"
-    for name, field in (("scale", "scale_grads"), ("bias", "bias_grads")):
+    assert kind.name in ("norm", "channel_affine")
+    for name, field in zip(kind.leaf_names(spec.hint), ("scale_grads", "bias_grads")):
       per_example = np.asarray(getattr(layer_stats, field))
       assert per_example.shape == (1, n) + shapes[name]
       np.testing.assert_allclose(per_example[0].mean(0), leaves[name], rtol=1e-10, atol=1e-14)

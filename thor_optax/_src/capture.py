@@ -1116,12 +1116,12 @@ def _inputs_feeding_outputs(jaxpr: Any) -> set:
   return live
 
 
-def _normalized_input(kind: layer_base.LayerKind, mod: nn.Module, args: tuple, kwargs: dict,
-                      state: dict, dtype: jnp.dtype) -> jax.Array:
+def _normalized_input(kind: layer_base.LayerKind, meta: dict, mod: nn.Module, args: tuple,
+                      kwargs: dict, state: dict, dtype: jnp.dtype) -> jax.Array:
   """``x_hat`` of a normalization layer: an unbound clone without scale and bias (the kind's
-  ``unit_affine``), applied to the same arguments with the layer's collections as it read
-  them."""
-  plain = kind.unit_affine(mod, dtype)
+  ``unit_affine`` given the layer's plan ``meta``), applied to the same arguments with the
+  layer's collections as it read them."""
+  plain = kind.unit_affine(mod, dtype, meta)
   x_hat, _ = plain.apply(state, *args, mutable=True, **kwargs)
   return jax.lax.stop_gradient(x_hat)
 
@@ -1145,7 +1145,7 @@ def _with_channels(params: Any, perts: Mapping[tuple[str, ...], Any]) -> Any:
 
 
 def _forward(apply: _Apply, model_state: dict, inputs: Any,
-             normalized: Mapping[tuple[str, ...], layer_base.LayerKind],
+             normalized: Mapping[tuple[str, ...], tuple[layer_base.LayerKind, dict]],
              shared: Mapping[tuple[str, ...], frozenset], params: Any,
              perts: dict) -> tuple[Any, tuple[dict, Any]]:
   """The forward pass that records captured layers' inputs and perturbs their outputs.
@@ -1189,7 +1189,7 @@ def _forward(apply: _Apply, model_state: dict, inputs: Any,
     out = next_fun(*args, **kwargs)
     in_clone[0] = True
     try:
-      x_hat = _normalized_input(normalized[path], mod, args, kwargs, state, out.dtype)
+      x_hat = _normalized_input(*normalized[path], mod, args, kwargs, state, out.dtype)
     finally:
       in_clone[0] = False
     mod.scope.put_variable("params", _INPUTS, x_hat)
@@ -1328,7 +1328,7 @@ def value_and_grad_with_stats(
     captured, unhandled = plan_calls(calls, reasons, counts, shared, weight_sharing, keys)
     forward = functools.partial(
         _forward, apply, model_state, inputs,
-        {p: c["kind"] for p, c in captured.items() if c["kind"].normalized_input},
+        {p: (c["kind"], c["meta"]) for p, c in captured.items() if c["kind"].normalized_input},
         {p: frozenset(u.method for u in c["uses"]) for p, c in captured.items() if c["uses"]})
     loss, grads, stats, mutated = vjp_with_stats(forward, params, captured, unhandled, loss_fn,
                                                  targets, rng, options)

@@ -500,7 +500,8 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: _CallKwargs, ca
     if not kind.normalized_input:
       getattr(mod, _INPUT).set_value(capture_lib.primary_input(args, kwargs))
       return original(mod, *args, **kwargs) + getattr(mod, _PERTURBATION).get_value()
-    plain = kind.unit_affine(mod, captured[path]["out"].dtype)  # before the layer's own call
+    # x_hat's copy is made before the layer's own call
+    plain = kind.unit_affine(mod, captured[path]["out"].dtype, captured[path]["meta"])
     out = original(mod, *args, **kwargs)
     getattr(mod, _INPUT).set_value(jax.lax.stop_gradient(original(plain, *args, **kwargs)))
     return out + getattr(mod, _PERTURBATION).get_value()

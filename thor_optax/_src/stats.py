@@ -23,6 +23,7 @@ import weakref
 import jax
 
 from thor_optax._src import layers as layers_lib
+from thor_optax._src.layers import channel_affine
 from thor_optax._src.layers import conv
 from thor_optax._src.layers import dense
 from thor_optax._src.layers import dense_general
@@ -39,6 +40,7 @@ ConvStats = conv.ConvStats
 EmbedStats = embed.EmbedStats
 NormStats = norm.NormStats
 MatmulStats = matmul.MatmulStats
+ChannelAffineStats = channel_affine.ChannelAffineStats
 LayerStats = Any  # an instance of a registered layer kind's ``stats_type``
 
 

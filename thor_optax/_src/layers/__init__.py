@@ -2,7 +2,8 @@
 loop over it.
 
 Each kind is one module of this package (``dense.py``, ``conv.py``, ``conv_transpose.py``,
-``dense_general.py``, ``einsum.py``, ``embed.py``, ``norm.py``, ``matmul.py``)
+``dense_general.py``, ``einsum.py``, ``embed.py``, ``norm.py``, ``matmul.py``,
+``channel_affine.py``; the last two read a module's call traced alone, ``traced.py``)
 holding a :class:`~thor_optax._src.layers.base.LayerKind`. Kinds are tried in registry order;
 a kind registered by a user with :func:`register_layer_kind` is tried before the built-in ones,
 so it can take over modules (a subclass of ``nn.Conv`` whose kernel is transformed in
@@ -15,6 +16,7 @@ import dataclasses
 from typing import Any, Iterable, Mapping, Optional
 
 from thor_optax._src.layers import base
+from thor_optax._src.layers import channel_affine
 from thor_optax._src.layers import conv
 from thor_optax._src.layers import conv_transpose
 from thor_optax._src.layers import dense
@@ -30,7 +32,8 @@ LayerSpec = base.LayerSpec
 # ``ConvTranspose`` after ``Conv``: its statistics are ``ConvStats``, read by ``Conv``.
 _BUILTIN: tuple[base.LayerKind, ...] = (dense.Dense(), conv.Conv(), conv_transpose.ConvTranspose(),
                                          dense_general.DenseGeneral(), einsum.Einsum(),
-                                         embed.Embed(), norm.Norm(), matmul.Matmul())
+                                         embed.Embed(), norm.Norm(), matmul.Matmul(),
+                                         channel_affine.ChannelAffine())
 _user: list[base.LayerKind] = []
 
 
@@ -39,7 +42,8 @@ def registered() -> tuple[base.LayerKind, ...]:
 
   Returns:
     a tuple of :class:`LayerKind` instances; the built-in ones last, in the order ``Dense``,
-    ``Conv``, ``ConvTranspose``, ``DenseGeneral``, ``Einsum``, ``Embed``, ``Norm``.
+    ``Conv``, ``ConvTranspose``, ``DenseGeneral``, ``Einsum``, ``Embed``, ``Norm``,
+    ``Matmul``, ``ChannelAffine``.
 
   Raises:
     Nothing.

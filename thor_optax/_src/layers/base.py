@@ -387,9 +387,10 @@ class LayerKind(abc.ABC):
     for a :attr:`live_plan` kind). Default: :meth:`plan` of the input's shape."""
     return self.plan(module, ("__call__",), jnp.shape(primary_input(args, kwargs)))
 
-  def unit_affine(self, module: Any, dtype: jnp.dtype) -> Any:
+  def unit_affine(self, module: Any, dtype: jnp.dtype, meta: Mapping[str, Any]) -> Any:
     """For a :attr:`normalized_input` kind: a copy of ``module`` without its affine map, whose
-    output is ``x_hat``, made before the layer's call.
+    output is ``x_hat``, made before the layer's call; ``meta``: the layer's plan
+    (:attr:`Plan.meta`).
 
     Linen: an unbound module (capture applies it with the layer's non-parameter collections as
     the layer read them, ``copy.apply(state, *args, mutable=True, **kwargs)``) computing in
@@ -399,7 +400,7 @@ class LayerKind(abc.ABC):
     Raises:
       NotImplementedError: for a kind that does not define it.
     """
-    del module, dtype
+    del module, dtype, meta
     raise NotImplementedError(f"layer kind {self.name!r} sets normalized_input but does not "
                               "define unit_affine")
 

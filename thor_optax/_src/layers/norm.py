@@ -207,11 +207,12 @@ class Norm(base.LayerKind):
     ``use_bias`` keep (``('scale',)`` for an ``RMSNorm``, ``()`` for a layer without any)."""
     return tuple(leaf for leaf in self.affine(module).leaves if getattr(module, f"use_{leaf}"))
 
-  def unit_affine(self, module: Any, dtype: Any) -> Any:
+  def unit_affine(self, module: Any, dtype: Any, meta: Mapping[str, Any]) -> Any:
     """A copy of ``module`` whose output is ``x_hat``: linen, an unbound clone without scale and
     bias (``use_scale=False`` and, where the class has one, ``use_bias=False``) computing in
     ``dtype``; NNX, a clone (its own variables) with scale ones and bias zeros, whose output
-    dtype is the layer's."""
+    dtype is the layer's (``meta``: unused)."""
+    del meta
     if isinstance(module, nn.Module):
       off = {f"use_{leaf}": False for leaf in self.affine(module).leaves}
       return module.clone(parent=None, dtype=dtype, **off)
@@ -263,7 +264,7 @@ class Norm(base.LayerKind):
     c = self.channels(spec)
     where = (f"the statistics (curvature_stats or gradient_stats) for normalization layer "
              f"{spec.name!r} ({c} channels)")
-    if not isinstance(stats, NormStats):
+    if type(stats) not in (NormStats, self.stats_type):  # (a subclass kind's own, too)
       raise ValueError(f"{where}: got {type(stats).__name__}, expected NormStats.")
     for name in ("scale_grads", "bias_grads"):
       shape = getattr(stats, name).shape
@@ -291,8 +292,8 @@ class Norm(base.LayerKind):
     """
     self.check_stats(spec, stats)
     grads = [stats.scale_grads.astype(dtype), stats.bias_grads.astype(dtype)]
-    grads = [g if spec.shape(leaf) is not None else jnp.zeros_like(g)
-             for leaf, g in zip(_LEAVES, grads)]
+    grads = [g if leaf is not None and spec.shape(leaf) is not None else jnp.zeros_like(g)
+             for leaf, g in zip(self.leaf_names(spec.hint), grads)]
     return unitwise_fisher(*grads)
 
   def side_refresh(self, spec, stats, state, factors, damping, method, accumulator):
@@ -314,8 +315,9 @@ class Norm(base.LayerKind):
 
   def side_precondition(self, spec, leaves, state, dtype):
     c = self.channels(spec)
+    names = self.leaf_names(spec.hint)  # (scale, bias)
     v = jnp.stack([leaves[name].astype(dtype) if name in leaves
-                   else jnp.zeros((c,), dtype) for name in _LEAVES], -1)
+                   else jnp.zeros((c,), dtype) for name in names], -1)
     y = jnp.einsum("cij,cj->ci", state.inverse, v)
     return {name: y[:, i].astype(leaves[name].dtype)
-            for i, name in enumerate(_LEAVES) if name in leaves}
+            for i, name in enumerate(names) if name in leaves}

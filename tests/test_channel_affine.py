@@ -1,0 +1,475 @@
+"""Normalization layers of no Flax class (the ``'channel_affine'`` kind): the RMS and layer norms
+model libraries write themselves, recognised from their traced call ``x_hat * (scale + c) +
+(bias + c')``, preconditioned as the ``'norm'`` kind preconditions Flax's.
+
+References (float64): the per-example gradients of the layer's vectors from ``jax.vmap`` of
+``jax.grad`` over one-example batches, the per-channel 2x2 (or 1x1) damped Fisher built from them
+and solved by ``numpy``; and, for a scanned stack, the same model written with ``nn.RMSNorm``.
+Calls that are not such a map are listed with the reason.
+"""
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import thor_optax
+from thor_optax import flax as thor_linen
+from thor_optax import nnx as thor_nnx
+
+import reference
+from reference import F64, init_params, randn, squared_error
+from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+LAM = 0.05
+C = 4
+EPS = 1e-6
+_init = nn.initializers.normal(0.3)
+
+
+def _rms(x):
+  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + EPS)
+
+
+class GemmaRMSNorm(nn.Module):
+  """Gemma's: ``x / rms(x) * (1 + scale)``, the scale expanded over the leading axes."""
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", _init, (x.shape[-1],))
+    return _rms(x) * (1 + jnp.expand_dims(scale, axis=range(x.ndim - 1)))
+
+
+class LlamaRMSNorm(nn.Module):
+  """Hugging Face's Flax Llama: leaf ``weight``, ``weight * x_hat`` after a cast round trip."""
+
+  def setup(self):
+    self.weight = self.param("weight", _init, (C,))
+
+  def __call__(self, hidden_states):
+    variance = jnp.power(jnp.asarray(hidden_states, jnp.float32), 2).mean(-1, keepdims=True)
+    hidden_states = hidden_states / jnp.sqrt(variance.astype(hidden_states.dtype) + EPS)
+    return self.weight * jnp.asarray(hidden_states, F64)
+
+
+class T5LayerNorm(nn.Module):
+  """T5's: scale only, the input cast first, the scale cast to the computation dtype."""
+  dtype: jnp.dtype = F64
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.asarray(x, jnp.float64)
+    scale = self.param("scale", _init, (x.shape[-1],))
+    return _rms(x).astype(self.dtype) * jnp.asarray(scale, self.dtype)
+
+
+class MaxTextRMSNorm(nn.Module):
+  """MaxText's: a logically partitioned (boxed) scale, ``y * scale`` after casts."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.asarray(x, jnp.float64)
+    y = jnp.asarray(x * jax.lax.rsqrt(jnp.mean(jax.lax.square(x), -1, keepdims=True) + EPS), F64)
+    scale = self.param("scale", nn.with_logical_partitioning(_init, ("norm",)), (x.shape[-1],),
+                       F64)
+    return y * jnp.asarray(scale, F64)
+
+
+class HandLayerNorm(nn.Module):
+  """A tutorial's layer norm: ``gamma * (x - mean) / std + beta``."""
+
+  @nn.compact
+  def __call__(self, x):
+    gamma = self.param("gamma", _init, (x.shape[-1],))
+    beta = self.param("beta", _init, (x.shape[-1],))
+    mean = x.mean(-1, keepdims=True)
+    return gamma * (x - mean) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) + beta
+
+
+class LayerScale(nn.Module):
+  """CaiT's / DeiT-III's ``gamma * x`` (no normalization at all)."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x * self.param("gamma", _init, (x.shape[-1],))
+
+
+class Shift(nn.Module):
+  """A learned shift per channel, ``x + offset`` (no scale)."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x + self.param("offset", _init, (x.shape[-1],))
+
+
+class ShiftNamedScale(nn.Module):
+  """A shift whose leaf is named ``scale``: the ``'norm'`` kind would read it as a scale from its
+  name, so it needs the capture's layout (a ``ValueError`` says so)."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x + self.param("scale", _init, (x.shape[-1],))
+
+
+# name: (module class, stats type, the leaves named (scale, bias) as the kind reads them)
+LINEN = {
+    "gemma": (GemmaRMSNorm, "NormStats", ("scale", None)),
+    "llama": (LlamaRMSNorm, "ChannelAffineStats", ("weight", None)),
+    "t5": (T5LayerNorm, "NormStats", ("scale", None)),
+    "maxtext": (MaxTextRMSNorm, "NormStats", ("scale", None)),
+    "layer_norm": (HandLayerNorm, "ChannelAffineStats", ("gamma", "beta")),
+    "layer_scale": (LayerScale, "ChannelAffineStats", ("gamma", None)),
+    "shift": (Shift, "ChannelAffineStats", (None, "offset")),
+    "shift_named_scale": (ShiftNamedScale, "ChannelAffineStats", (None, "scale")),
+}
+
+
+class LinenNet(nn.Module):
+  """``Dense(C) -> norm -> tanh -> mean over positions -> Dense(3)``."""
+  norm: type
+
+  @nn.compact
+  def __call__(self, x):
+    h = self.norm(name="norm")(nn.Dense(C, name="dense_in")(x))
+    return nn.Dense(3, name="head")(jnp.tanh(h).mean(1))
+
+
+def _data():
+  return jnp.asarray(randn(1, (5, 3, 2))), jnp.asarray(randn(2, (5, 3)))
+
+
+def _leaf(x):
+  return np.asarray(x[...] if isinstance(x, nnx.Variable) else nn.meta.unbox(x))
+
+
+def _reference(per, grads, names, n):
+  """``{leaf: update}`` per channel: ``(F_c + lambda I)^-1 g_c`` with ``F_c`` the 2x2 Fisher
+  of the per-example gradients ``per`` of ``(scale, bias)``, a missing leaf's taken as zeros
+  (so a scale alone gets ``g_s / (F_ss + lambda)``)."""
+  per_leaf = [_leaf(per[k]) if k else np.zeros((n, C)) for k in names]
+  v = np.stack(per_leaf, -1)  # (N, C, 2)
+  fisher = np.einsum("nci,ncj->cij", v, v) / n
+  g = np.stack([_leaf(grads[k]) if k else np.zeros(C) for k in names], -1)
+  want = np.stack([np.linalg.solve(fisher[c] + LAM * np.eye(2), g[c]) for c in range(C)])
+  return {k: want[:, i] for i, k in enumerate(names) if k}
+
+
+def _check(stats, updates, grads, per, names, stats_type, n):
+  layer = stats.layers["norm"]
+  assert type(layer).__name__ == stats_type
+  for k, field in zip(names, ("scale_grads", "bias_grads")):
+    got = np.asarray(getattr(layer, field)[0])
+    if k is None:
+      np.testing.assert_array_equal(got, 0.0)
+    else:
+      assert np.abs(_leaf(per[k])).max() > 1e-3  # the comparison is not between zeros
+      np.testing.assert_allclose(got, _leaf(per[k]), **TIGHT)
+  want = _reference(per, grads, names, n)
+  assert set(updates) == set(want)
+  for k, value in want.items():
+    assert np.abs(_leaf(updates[k]) - _leaf(grads[k])).max() > 1e-3  # preconditioned
+    np.testing.assert_allclose(_leaf(updates[k]), value, **TIGHT)
+
+
+@pytest.mark.parametrize("captured", [True, False], ids=["captured_layout", "from_shapes"])
+@pytest.mark.parametrize("case", sorted(LINEN))
+def test_linen_norms_of_their_own_get_the_unit_wise_natural_gradient(case, captured):
+  cls, stats_type, names = LINEN[case]
+  model = LinenNet(cls)
+  x, y = _data()
+  params = init_params(model, x)
+  capture = thor_linen.value_and_grad_with_stats(model, squared_error)
+  _, shapes = jax.eval_shape(capture, params, x, y)
+  layers = thor_optax.captured_layers(shapes) if captured else None
+  tx = thor_optax.scale_by_kfac(LAM, ema_decay=None, layers=layers)
+
+  def loss_one(norm, xn, yn):
+    return squared_error(model.apply({"params": {**params, "norm": norm}}, xn[None]), yn[None])
+
+  @jax.jit
+  def run(params, x, y):
+    (_, grads), stats = capture(params, x, y)
+    updates = tx.update(grads, tx.init(params), params, curvature_stats=stats)[0]
+    per = jax.vmap(jax.grad(loss_one), in_axes=(None, 0, 0))(params["norm"], x, y)
+    return stats, updates, grads, per
+
+  if not captured and stats_type != "NormStats":  # leaves that are not scale / bias: no layout
+    with pytest.raises(ValueError, match=r"captured_layers\(stats\)"):
+      run(params, x, y)
+    return
+  stats, updates, grads, per = run(params, x, y)
+  assert stats.unhandled == ()
+  assert set(stats.layers) == {"dense_in", "norm", "head"}
+  _check(stats, updates["norm"], grads["norm"], per, names, stats_type, x.shape[0])
+
+
+class NnxGemmaRMSNorm(nnx.Module):
+  """The RMS norm of Flax's NNX Gemma example: ``nnx.Param`` scale, ``(1 + scale)``."""
+
+  def __init__(self, dim, rngs):
+    self.scale = nnx.Param(0.3 * jax.random.normal(rngs.params(), (dim,), F64))
+
+  def __call__(self, x):
+    return _rms(x) * (1 + self.scale[...])
+
+
+class NnxLayerNorm(nnx.Module):
+  """A hand-written NNX layer norm with leaves ``w``, ``b``."""
+
+  def __init__(self, dim, rngs):
+    self.w = nnx.Param(1 + 0.3 * jax.random.normal(rngs.params(), (dim,), F64))
+    self.b = nnx.Param(0.3 * jax.random.normal(rngs.params(), (dim,), F64))
+
+  def __call__(self, x):
+    centred = x - x.mean(-1, keepdims=True)
+    return centred * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5) * self.w[...] + self.b[...]
+
+
+class NnxNet(nnx.Module):
+
+  def __init__(self, norm, rngs):
+    self.dense_in = nnx.Linear(2, C, param_dtype=F64, rngs=rngs)
+    self.norm = norm(C, rngs)
+    self.head = nnx.Linear(C, 3, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jnp.tanh(self.norm(self.dense_in(x))).mean(1))
+
+
+@pytest.mark.parametrize("norm,stats_type,names", [
+    (NnxGemmaRMSNorm, "NormStats", ("scale", None)),
+    (NnxLayerNorm, "ChannelAffineStats", ("w", "b"))], ids=["gemma", "layer_norm"])
+def test_nnx_norms_of_their_own_get_the_unit_wise_natural_gradient(norm, stats_type, names):
+  model = NnxNet(norm, nnx.Rngs(0))
+  x, y = _data()
+  capture = thor_nnx.value_and_grad_with_stats(squared_error)
+  _, shapes = nnx.eval_shape(lambda m: capture(m, x, y), model)
+  tx = thor_optax.scale_by_thor(LAM, trace_thresholds=(0.0, 0.0),
+                                layers=thor_optax.captured_layers(shapes))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_one(p, xn, yn):
+    return squared_error(nnx.merge(graphdef, p, rest, copy=True)(xn[None]), yn[None])
+
+  @nnx.jit
+  def run(model, x, y):
+    (_, grads), stats = capture(model, x, y)
+    params = nnx.state(model, nnx.Param)
+    updates = tx.update(grads, tx.init(params), params, curvature_stats=stats)[0]
+    per = jax.vmap(jax.grad(loss_one), in_axes=(None, 0, 0))(params, x, y)
+    return stats, updates, grads, per
+
+  stats, updates, grads, per = run(model, x, y)
+  assert stats.unhandled == ()
+  assert set(stats.layers) == {"dense_in", "norm", "head"}
+  _check(stats, updates["norm"], grads["norm"], per["norm"], names, stats_type, x.shape[0])
+
+
+class Block(nn.Module):
+  """A pre-norm residual MLP block, ``(carry, _) -> (carry, None)``."""
+  gemma: bool
+
+  @nn.compact
+  def __call__(self, h, _):
+    norm = GemmaRMSNorm(name="norm") if self.gemma else nn.RMSNorm(EPS, name="norm",
+                                                                   param_dtype=F64)
+    return h + nn.Dense(C, name="mlp")(jnp.tanh(norm(h))), None
+
+
+class Scanned(nn.Module):
+  """``nn.scan(nn.remat(Block))`` over two blocks, then a norm and a head."""
+  gemma: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                    split_rngs={"params": True}, length=2)
+    h, _ = stack(self.gemma, name="blocks")(nn.Dense(C, name="dense_in")(x), None)
+    norm = GemmaRMSNorm(name="final") if self.gemma else nn.RMSNorm(EPS, name="final",
+                                                                    param_dtype=F64)
+    return nn.Dense(3, name="head")(norm(h).mean(1))
+
+
+def _as_flax_rms(tree, offset):
+  """The Gemma model's leaves as the ``nn.RMSNorm`` model's: each norm's scale plus ``offset``
+  (1 for parameters, 0 for updates)."""
+  def convert(path, leaf):
+    names = [str(getattr(k, "key", k)) for k in path]
+    return leaf + offset if names[-2] in ("norm", "final") else leaf
+  return jax.tree_util.tree_map_with_path(convert, tree)
+
+
+@pytest.mark.parametrize("make", ["thor", "kfac"])
+def test_scanned_gemma_norms_equal_flax_rmsnorm(make):
+  """Norms inside a scanned, rematerialized stack (statistics per layer of the stack): the
+  update of Gemma's ``scale`` equals ``nn.RMSNorm``'s for ``scale + 1``, with the aliases."""
+  x, y = _data()
+  params = init_params(Scanned(), x)
+  tx = {"thor": lambda layers: thor_optax.thor(0.1, LAM, layers=layers),
+        "kfac": lambda layers: thor_optax.kfac(0.1, LAM, layers=layers)}[make]
+  got, grads, stats = reference.captured_update(Scanned(), params, x, y, squared_error, tx,
+                                                captured=True, jit=True)
+  assert stats.unhandled == ()
+  assert stats.layers["blocks"]["norm"].scale_grads.shape == (2, 1, 5, C)
+  want, _, _ = reference.captured_update(Scanned(False), _as_flax_rms(params, 1.0), x, y,
+                                         squared_error, tx, captured=True, jit=True)
+  reference.assert_trees_close(_as_flax_rms(got, 0.0), want)
+  assert float(jnp.abs(got["final"]["scale"] + 0.1 * grads["final"]["scale"]).max()) > 1e-3
+
+
+class ChannelsFirst(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):  # (N, C, T): the scale over axis 1
+    x = jnp.swapaxes(x, 1, 2)
+    return x * self.param("scale", _init, (x.shape[1],))[:, None]
+
+
+class ShiftBeforeScale(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", _init, (x.shape[-1],))
+    return (_rms(x) + self.param("bias", _init, (x.shape[-1],))) * scale
+
+
+class OneMinus(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return _rms(x) * (1 - self.param("scale", _init, (x.shape[-1],)))
+
+
+class Squared(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return _rms(x) * self.param("scale", _init, (x.shape[-1],)) ** 2
+
+
+class ScaleInside(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):  # the scale before the normalization: x_hat depends on it
+    return _rms(x * self.param("scale", _init, (x.shape[-1],)))
+
+
+class Unused(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    self.param("bias", _init, (x.shape[-1],))
+    return _rms(x) * self.param("scale", _init, (x.shape[-1],))
+
+
+class SharedScale(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):  # one scale for every channel
+    return _rms(x) * self.param("scale", _init, (1,))
+
+
+class Gated(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):  # a PReLU-like slope
+    slope = self.param("slope", _init, (x.shape[-1],))
+    return jnp.where(x > 0, x, slope * x)
+
+
+NOT_AFFINE = {ChannelsFirst: "axis 1 of its output, not the last",
+              ShiftBeforeScale: "applies mul to its output ('bias', 'scale')",
+              OneMinus: "applies sub to the vector ('scale')",
+              Squared: "applies integer_pow to the vector ('scale')",
+              ScaleInside: "applies square to its output ('scale')",
+              Unused: "not scaled or shifted by ['bias']",
+              SharedScale: "spreads one entry of a vector over several channels",
+              Gated: "applies select_n to its output ('slope')"}
+
+
+@pytest.mark.parametrize("cls", list(NOT_AFFINE), ids=lambda c: c.__name__)
+def test_a_call_that_is_not_a_scale_and_shift_is_listed(cls):
+  model = LinenNet(cls)
+  x, y = _data()
+  params = init_params(model, x)
+
+  def reference_grads(p):
+    return jax.grad(lambda p: squared_error(model.apply({"params": p}, x), y))(p)
+
+  (_, grads), stats = jax.jit(thor_linen.value_and_grad_with_stats(model, squared_error))(
+      params, x, y)
+  assert set(stats.layers) == {"dense_in", "head"}
+  (reason,) = [note for note in stats.unhandled if note.startswith("norm: ")]
+  assert NOT_AFFINE[cls] in reason and "register_layer_kind" in reason, reason
+  reference.assert_trees_close(grads, jax.jit(reference_grads)(params))
+
+
+class NnxBlock(nnx.Module):
+  """A pre-norm residual MLP block: :class:`NnxGemmaRMSNorm` or ``nnx.RMSNorm``, then a
+  ``nnx.Linear``."""
+
+  def __init__(self, rngs, own):
+    self.norm = (NnxGemmaRMSNorm(C, rngs) if own
+                 else nnx.RMSNorm(C, epsilon=EPS, param_dtype=F64, rngs=rngs))
+    self.mlp = nnx.Linear(C, C, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, h):
+    return h + self.mlp(jnp.tanh(self.norm(h)))
+
+
+class NnxStack(nnx.Module):
+  """Flax's "scan over layers": two :class:`NnxBlock` made by ``nnx.vmap``, run by
+  ``nnx.scan``."""
+
+  def __init__(self, rngs, own=True):
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return NnxBlock(rngs, own)
+
+    self.dense_in = nnx.Linear(2, C, param_dtype=F64, rngs=rngs)
+    self.blocks = make(rngs)
+    self.head = nnx.Linear(C, 3, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def forward(h, block):
+      return block(h)
+
+    return self.head(forward(self.dense_in(x), self.blocks).mean(1))
+
+
+def _nnx_update(model, x, y):
+  capture = thor_nnx.value_and_grad_with_stats(squared_error)
+  _, shapes = nnx.eval_shape(lambda m: capture(m, x, y), model)
+  tx = thor_optax.kfac(0.1, LAM, layers=thor_optax.captured_layers(shapes))
+
+  @nnx.jit
+  def run(model, x, y):
+    (_, grads), stats = capture(model, x, y)
+    params = nnx.state(model, nnx.Param)
+    return tx.update(grads, tx.init(params), params, curvature_stats=stats)[0], stats
+
+  updates, stats = run(model, x, y)
+  return nnx.to_pure_dict(updates), stats
+
+
+def test_nnx_vmap_stack_of_gemma_norms_equals_the_nnx_rmsnorm_stack():
+  """Norms of a stack made by ``nnx.vmap`` (their scales ``(2, C)`` in the stack) get their
+  statistics per layer, and the update of Gemma's ``scale`` equals ``nnx.RMSNorm``'s for
+  ``scale + 1``."""
+  x, y = _data()
+  model = NnxStack(nnx.Rngs(0))
+  got, stats = _nnx_update(model, x, y)
+  assert stats.unhandled == ()
+  assert stats.layers["blocks"]["norm"].scale_grads.shape == (2, 1, 5, C)
+  own = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  reference_model = NnxStack(nnx.Rngs(1), own=False)
+  nnx.update(reference_model, nnx.State(_as_flax_rms(own, 1.0)))
+  want, _ = _nnx_update(reference_model, x, y)
+  reference.assert_trees_close(_as_flax_rms(got, 0.0), want)
