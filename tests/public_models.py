@@ -121,7 +121,8 @@ class DecoderBlock(nn.Module):
 
 
 class AddPositionEmbs(nn.Module):
-  """Learned position embeddings added to the token embeddings."""
+  """Learned position embeddings added to the token embeddings (the ``'channel_affine'``
+  kind: a shift per position and feature)."""
 
   max_len: int
 
@@ -693,10 +694,10 @@ LINEN_MODELS: dict[str, Case] = {c.name: c for c in [
                                                      "BatchNorm_1", "conv_proj", "norm_proj")}),
          {}, batch_stats=True, learning_rate=0.1),
     Case("transformer", DecoderLM(), lambda: token_batch(1, 4, 8, 16), softmax_ce,
-         frozenset({"embed", "ln_f", "logits", "decoder/LayerNorm_0", "decoder/LayerNorm_1",
-                    "decoder/MlpBlock_0/Dense_0", "decoder/MlpBlock_0/Dense_1"}
-                   | {f"decoder/MultiHeadDotProductAttention_0/{p}" for p in _ATTN}),
-         {"posembed": "applies add to the input and weight"}),
+         frozenset({"embed", "posembed", "ln_f", "logits", "decoder/LayerNorm_0",
+                    "decoder/LayerNorm_1", "decoder/MlpBlock_0/Dense_0",
+                    "decoder/MlpBlock_0/Dense_1"}
+                   | {f"decoder/MultiHeadDotProductAttention_0/{p}" for p in _ATTN}), {}),
     Case("lstm", LSTMClassifier(), lambda: classification_batch(2, (8, 5, 3), 3), softmax_ce,
          frozenset({"head"} | {f"LSTMCell_0/{g}" for g in _LSTM_GATES}), {}),
     Case("mlp_aux", MLPWithAux(), lambda: classification_batch(3, (16, 6), 4),

@@ -107,6 +107,33 @@ class Shift(nn.Module):
     return x + self.param("offset", _init, (x.shape[-1],))
 
 
+class ChannelsFirst(nn.Module):
+  """A scale over axis 1 of a channels-first ``(N, C, T)`` activation, ``scale[:, None]``."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.swapaxes(x, 1, 2)
+    return jnp.swapaxes(x * self.param("scale", _init, (x.shape[1],))[:, None], 1, 2)
+
+
+class SharedGain(nn.Module):
+  """One gain shared by every channel, ``(1,)``: one entry over all positions and channels."""
+
+  @nn.compact
+  def __call__(self, x):
+    return _rms(x) * self.param("gain", _init, (1,))
+
+
+class AddPositionEmbs(nn.Module):
+  """Google's vision transformer's: a learned ``(1, T, D)`` position embedding added to the
+  patch embeddings (one entry per position and channel, shared by the examples)."""
+
+  @nn.compact
+  def __call__(self, inputs):
+    pe = self.param("pos_embedding", _init, (1, inputs.shape[1], inputs.shape[2]))
+    return inputs + pe
+
+
 class ShiftNamedScale(nn.Module):
   """A shift whose leaf is named ``scale``: the ``'norm'`` kind would read it as a scale from its
   name, so it needs the capture's layout (a ``ValueError`` says so)."""
@@ -126,6 +153,9 @@ LINEN = {
     "layer_scale": (LayerScale, "ChannelAffineStats", ("gamma", None)),
     "shift": (Shift, "ChannelAffineStats", (None, "offset")),
     "shift_named_scale": (ShiftNamedScale, "ChannelAffineStats", (None, "scale")),
+    "channels_first": (ChannelsFirst, "NormStats", ("scale", None)),
+    "shared_gain": (SharedGain, "ChannelAffineStats", ("gain", None)),
+    "position_embedding": (AddPositionEmbs, "ChannelAffineStats", (None, "pos_embedding")),
 }
 
 
@@ -148,15 +178,17 @@ def _leaf(x):
 
 
 def _reference(per, grads, names, n):
-  """``{leaf: update}`` per channel: ``(F_c + lambda I)^-1 g_c`` with ``F_c`` the 2x2 Fisher
-  of the per-example gradients ``per`` of ``(scale, bias)``, a missing leaf's taken as zeros
-  (so a scale alone gets ``g_s / (F_ss + lambda)``)."""
-  per_leaf = [_leaf(per[k]) if k else np.zeros((n, C)) for k in names]
-  v = np.stack(per_leaf, -1)  # (N, C, 2)
+  """``{leaf: update}`` per entry ``c`` of the vectors: ``(F_c + lambda I)^-1 g_c`` with
+  ``F_c`` the 2x2 Fisher of the per-example gradients ``per`` of ``(scale, bias)``, a missing
+  leaf's taken as zeros (so a scale alone gets ``g_s / (F_ss + lambda)``)."""
+  shape = _leaf(grads[next(k for k in names if k)]).shape
+  size = int(np.prod(shape))
+  v = np.stack([_leaf(per[k]).reshape(n, size) if k else np.zeros((n, size)) for k in names],
+               -1)  # (N, C, 2)
   fisher = np.einsum("nci,ncj->cij", v, v) / n
-  g = np.stack([_leaf(grads[k]) if k else np.zeros(C) for k in names], -1)
-  want = np.stack([np.linalg.solve(fisher[c] + LAM * np.eye(2), g[c]) for c in range(C)])
-  return {k: want[:, i] for i, k in enumerate(names) if k}
+  g = np.stack([_leaf(grads[k]).reshape(size) if k else np.zeros(size) for k in names], -1)
+  want = np.stack([np.linalg.solve(fisher[c] + LAM * np.eye(2), g[c]) for c in range(size)])
+  return {k: want[:, i].reshape(shape) for i, k in enumerate(names) if k}
 
 
 def _check(stats, updates, grads, per, names, stats_type, n):
@@ -168,7 +200,7 @@ def _check(stats, updates, grads, per, names, stats_type, n):
       np.testing.assert_array_equal(got, 0.0)
     else:
       assert np.abs(_leaf(per[k])).max() > 1e-3  # the comparison is not between zeros
-      np.testing.assert_allclose(got, _leaf(per[k]), **TIGHT)
+      np.testing.assert_allclose(got, _leaf(per[k]).reshape(got.shape), **TIGHT)
   want = _reference(per, grads, names, n)
   assert set(updates) == set(want)
   for k, value in want.items():
@@ -198,7 +230,7 @@ def test_linen_norms_of_their_own_get_the_unit_wise_natural_gradient(case, captu
     per = jax.vmap(jax.grad(loss_one), in_axes=(None, 0, 0))(params["norm"], x, y)
     return stats, updates, grads, per
 
-  if not captured and stats_type != "NormStats":  # leaves that are not scale / bias: no layout
+  if not captured and case == "shift_named_scale":  # the 'norm' kind reads 'scale' by name
     with pytest.raises(ValueError, match=r"captured_layers\(stats\)"):
       run(params, x, y)
     return
@@ -241,16 +273,18 @@ class NnxNet(nnx.Module):
     return self.head(jnp.tanh(self.norm(self.dense_in(x))).mean(1))
 
 
+@pytest.mark.parametrize("captured", [True, False], ids=["captured_layout", "from_shapes"])
 @pytest.mark.parametrize("norm,stats_type,names", [
     (NnxGemmaRMSNorm, "NormStats", ("scale", None)),
     (NnxLayerNorm, "ChannelAffineStats", ("w", "b"))], ids=["gemma", "layer_norm"])
-def test_nnx_norms_of_their_own_get_the_unit_wise_natural_gradient(norm, stats_type, names):
+def test_nnx_norms_of_their_own_get_the_unit_wise_natural_gradient(norm, stats_type, names,
+                                                                    captured):
   model = NnxNet(norm, nnx.Rngs(0))
   x, y = _data()
   capture = thor_nnx.value_and_grad_with_stats(squared_error)
   _, shapes = nnx.eval_shape(lambda m: capture(m, x, y), model)
   tx = thor_optax.scale_by_thor(LAM, trace_thresholds=(0.0, 0.0),
-                                layers=thor_optax.captured_layers(shapes))
+                                layers=thor_optax.captured_layers(shapes) if captured else None)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss_one(p, xn, yn):
@@ -322,14 +356,6 @@ def test_scanned_gemma_norms_equal_flax_rmsnorm(make):
   assert float(jnp.abs(got["final"]["scale"] + 0.1 * grads["final"]["scale"]).max()) > 1e-3
 
 
-class ChannelsFirst(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):  # (N, C, T): the scale over axis 1
-    x = jnp.swapaxes(x, 1, 2)
-    return x * self.param("scale", _init, (x.shape[1],))[:, None]
-
-
 class ShiftBeforeScale(nn.Module):
 
   @nn.compact
@@ -367,13 +393,6 @@ class Unused(nn.Module):
     return _rms(x) * self.param("scale", _init, (x.shape[-1],))
 
 
-class SharedScale(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):  # one scale for every channel
-    return _rms(x) * self.param("scale", _init, (1,))
-
-
 class Gated(nn.Module):
 
   @nn.compact
@@ -382,13 +401,11 @@ class Gated(nn.Module):
     return jnp.where(x > 0, x, slope * x)
 
 
-NOT_AFFINE = {ChannelsFirst: "axis 1 of its output, not the last",
-              ShiftBeforeScale: "applies mul to its output ('bias', 'scale')",
-              OneMinus: "applies sub to the vector ('scale')",
-              Squared: "applies integer_pow to the vector ('scale')",
+NOT_AFFINE = {ShiftBeforeScale: "applies mul to its output ('bias', 'scale')",
+              OneMinus: "applies sub to the parameter ('scale')",
+              Squared: "applies integer_pow to the parameter ('scale')",
               ScaleInside: "applies square to its output ('scale')",
               Unused: "not scaled or shifted by ['bias']",
-              SharedScale: "spreads one entry of a vector over several channels",
               Gated: "applies select_n to its output ('slope')"}
 
 

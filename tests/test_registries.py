@@ -453,8 +453,8 @@ def test_layer_kind(kind):
     claim = kind.claim_captured(("layer",), shapes, kind.hint(stats.layers["layer"]))
     assert claim is not None
     # An einsum's contracted axes are in its equation only; that a kernel is applied
-    # transposed, or which vector is a scale, in the traced call only.
-    if kind.name not in ("einsum", "matmul", "channel_affine"):
+    # transposed, in the traced call only.
+    if kind.name not in ("einsum", "matmul"):
       assert kind.claim(("layer",), shapes) == claim
       assert layers_lib.claim(("layer",), shapes) == (kind, claim)
       shape_only = blocks.build_layout(params, None).layer("layer")

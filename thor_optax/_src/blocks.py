@@ -305,15 +305,16 @@ def claim_stacked(path: tuple[str, ...], shapes: dict[str, tuple[int, ...]],
   """
   from thor_optax._src import layers as layers_lib  # pylint: disable=import-outside-toplevel
   if captured is None:
-    def claim(shapes):
-      return layers_lib.claim(path, shapes)
+    def claim(shapes, stacked=True):
+      return layers_lib.claim(path, shapes, stacked)
   else:
     kind = layers_lib.kind_named(captured[0])
 
-    def claim(shapes):
+    def claim(shapes, stacked=True):
+      del stacked
       found = kind.claim_captured(path, shapes, captured[1])
       return None if found is None else (kind, found)
-  found = claim(shapes)
+  found = claim(shapes, stacked=False)
   if found is not None:
     return found + ((),)
   rank = min((len(s) for s in shapes.values()), default=0)

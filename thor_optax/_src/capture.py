@@ -869,7 +869,7 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     if why:
       transformed[tuple(mod.path)] = why
       return out
-    out, plan = marked(marks, kind, mod, method, args, kwargs, out, tuple(mod.path))
+    out, plan, kind = marked(marks, kind, mod, method, args, kwargs, out, tuple(mod.path))
     place = ctx.placement(mod)
     stack, shared_over = place if place is not None else ((), "")
     note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over,
@@ -897,17 +897,28 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
 
 
 def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, method: str,
-           args: tuple, kwargs: dict, out: Any,
-           path: tuple[Any, ...]) -> tuple[Any, Optional[layer_base.Plan]]:
-  """``(out, plan)`` of one call of a registered kind's layer: ``out`` marked for the
+           args: tuple, kwargs: dict, out: Any, path: tuple[Any, ...]
+           ) -> tuple[Any, Optional[layer_base.Plan], layer_base.LayerKind]:
+  """``(out, plan, kind)`` of one call of a registered kind's layer: ``out`` marked for the
   attention-key analysis (``attention_keys.Marks``) with the output's positions when it is a
-  call the kind plans, and the kind's plan of a ``__call__`` (``None`` for another method);
-  another method's call (a tied embedding's ``attend``) or one it lists is noted unmarked."""
+  call the kind plans, the kind's plan of a ``__call__`` (``None`` for another method), and
+  the kind. A module that several :attr:`~thor_optax._src.layers.base.LayerKind.live_plan`
+  kinds match (one weight: a product for ``'matmul'``, a shift for ``'channel_affine'``) is
+  planned by each in registry order until one captures the call (the first one's reason lists
+  it otherwise). Another method's call (a tied embedding's ``attend``) or one the kinds list is
+  noted unmarked."""
   plan = kind.plan_call(mod, args, kwargs) if method == "__call__" else None
+  if plan is not None and plan.meta is None and kind.live_plan:
+    for other in layers_lib.kinds_of_module(mod):
+      if other is not kind and other.live_plan:
+        other_plan = other.plan_call(mod, args, kwargs)
+        if other_plan.meta is not None:
+          kind, plan = other, other_plan
+          break
   if plan is None or plan.meta is None:
     marks.skip(path)
-    return out, plan
-  return marks.mark(out, path, kind.output_positions(plan.meta, jnp.ndim(out))), plan
+    return out, plan, kind
+  return marks.mark(out, path, kind.output_positions(plan.meta, jnp.ndim(out))), plan, kind
 
 
 def _not_lifted_reason(mod: nn.Module, ctx: _Context) -> str:

@@ -404,7 +404,8 @@ class _Discovery:
         self.raw.add(path)
         return out
       self.written.add(path)
-    out, plan = capture_lib.marked(self.marks, kind, mod, method, args, kwargs, out, path)
+    out, plan, kind = capture_lib.marked(self.marks, kind, mod, method, args, kwargs, out,
+                                         path)
     capture_lib.note_call(self.calls, path, mod, method, args, kwargs, out, stack, shared,
                           lifted=mod is not self.layers[path], kind=kind, plan=plan)
     self.dtypes[path] = x.dtype

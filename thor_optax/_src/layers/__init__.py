@@ -158,6 +158,13 @@ def kind_of_module(module: Any) -> Optional[base.LayerKind]:
   return next((k for k in registered() if k.matches(module)), None)
 
 
+def kinds_of_module(module: Any) -> tuple[base.LayerKind, ...]:
+  """Every registered kind matching a linen or NNX module instance, in the order they are
+  tried (a module of any class holding one weight: ``'matmul'`` and ``'channel_affine'``, whose
+  plans of its call decide)."""
+  return tuple(k for k in registered() if k.matches(module))
+
+
 def kind_named(name: str) -> base.LayerKind:
   """The registered kind called ``name``.
 
@@ -191,10 +198,14 @@ def intercepted(api: str) -> Iterable[tuple[type, str]]:
         yield cls, method
 
 
-def claim(path: tuple[str, ...],
-          shapes: Mapping[str, tuple[int, ...]]) -> Optional[tuple[base.LayerKind, base.Claim]]:
-  """The first kind claiming a module's leaves ``{name: shape}``, with its claim, or ``None``."""
+def claim(path: tuple[str, ...], shapes: Mapping[str, tuple[int, ...]],
+          stacked: bool = False) -> Optional[tuple[base.LayerKind, base.Claim]]:
+  """The first kind claiming a module's leaves ``{name: shape}``, with its claim, or ``None``;
+  ``stacked``: the shapes are one layer's of a stack (leading axes removed), which only kinds
+  with :attr:`~base.LayerKind.stacks_from_shapes` may claim."""
   for kind in registered():
+    if stacked and not kind.stacks_from_shapes:
+      continue
     found = kind.claim(path, shapes)
     if found is not None:
       return kind, found

@@ -322,6 +322,11 @@ class LayerKind(abc.ABC):
     integer_inputs: whether the recorded input is integer by nature (an embedding's ids); for
       the other kinds an integer or boolean input (``uint8`` images) is recorded cast to the
       cotangents' float dtype, as Flax casts it before the product.
+    stacks_from_shapes: whether the kind may claim, from parameter shapes alone, the leaves
+      of a module with leading axes removed, as a stack of layers (``nn.scan`` over layers;
+      default ``True``). ``False`` for a kind that claims small shapes of any leaf names (the
+      ``'channel_affine'`` kind's vectors): any larger array would otherwise be claimed as a
+      stack of them; such stacks are laid out from the capture's statistics.
     live_plan: whether the kind plans each call during it (:meth:`plan_call`, reading the
       module's variables, which linen keeps only while the model runs, and the input itself):
       the capture keeps those plans instead of planning after the pass, records only calls
@@ -349,6 +354,7 @@ class LayerKind(abc.ABC):
   reduces_steps: bool = False
   gradient_from_rows: bool = False
   integer_inputs: bool = False
+  stacks_from_shapes: bool = True
   live_plan: bool = False
 
   def __repr__(self) -> str:
