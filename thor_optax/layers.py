@@ -2,10 +2,12 @@
 
 A kind is a :class:`LayerKind` subclass instance registered with :func:`register_layer_kind` (tried
 before the built-in kinds). The built-in kinds are instances of ``Dense``, ``Conv``,
-``ConvTranspose``, ``DenseGeneral``, ``Einsum``, ``Embed``, ``Norm`` and ``Matmul`` (any other
-linen module whose call is a product by its own ``kernel``; ``registered()`` lists them in the
-order they are tried); subclass one of these classes to reuse its factors (see the README's
-"Layer kinds of your own").
+``ConvTranspose``, ``DenseGeneral``, ``Einsum``, ``Embed``, ``Norm``, ``Matmul`` (any other
+linen or NNX module whose call is a product by its own weight) and ``ChannelAffine`` (any other
+module whose call scales and shifts a function of its input by its own arrays: norms and
+position embeddings of one's own); ``registered()`` lists them in the order they are tried.
+Subclass one of these classes to reuse its factors (see the README's "Layer kinds of your
+own").
 """
 
 from thor_optax._src.layers import register_layer_kind
@@ -16,6 +18,8 @@ from thor_optax._src.layers.base import FactorRows
 from thor_optax._src.layers.base import LayerKind
 from thor_optax._src.layers.base import LayerSpec
 from thor_optax._src.layers.base import Plan
+from thor_optax._src.layers.channel_affine import ChannelAffine
+from thor_optax._src.layers.channel_affine import ChannelAffineStats
 from thor_optax._src.layers.conv import Conv
 from thor_optax._src.layers.conv import ConvSampling
 from thor_optax._src.layers.conv_transpose import ConvTranspose
@@ -28,6 +32,8 @@ from thor_optax._src.layers.matmul import MatmulStats
 from thor_optax._src.layers.norm import Norm
 
 __all__ = (
+    "ChannelAffine",
+    "ChannelAffineStats",
     "Claim",
     "Conv",
     "ConvSampling",
