@@ -134,6 +134,18 @@ class AddPositionEmbs(nn.Module):
     return inputs + pe
 
 
+class LayerNormOneC(nn.Module):
+  """A layer norm whose ``scale`` and ``bias`` are stored ``(1, C)``: not the ``'norm'`` kind's
+  ``(C,)`` layout, so ``ChannelAffineStats`` (before: ``NormStats`` no layout took)."""
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", _init, (1, x.shape[-1]))
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) * scale + self.param(
+        "bias", _init, (1, x.shape[-1]))
+
+
 class ShiftNamedScale(nn.Module):
   """A shift whose leaf is named ``scale``: the ``'norm'`` kind would read it as a scale from its
   name, so it needs the capture's layout (a ``ValueError`` says so)."""
@@ -156,16 +168,20 @@ LINEN = {
     "channels_first": (ChannelsFirst, "NormStats", ("scale", None)),
     "shared_gain": (SharedGain, "ChannelAffineStats", ("gain", None)),
     "position_embedding": (AddPositionEmbs, "ChannelAffineStats", (None, "pos_embedding")),
+    "layer_norm_1c": (LayerNormOneC, "ChannelAffineStats", ("scale", "bias")),
 }
 
 
 class LinenNet(nn.Module):
-  """``Dense(C) -> norm -> tanh -> mean over positions -> Dense(3)``."""
+  """``Dense(C) -> norm -> tanh -> mean over positions -> Dense(3)`` (``swap``: the norm's
+  output is time-major, swapped back after it)."""
   norm: type
+  swap: bool = False
 
   @nn.compact
   def __call__(self, x):
     h = self.norm(name="norm")(nn.Dense(C, name="dense_in")(x))
+    h = jnp.swapaxes(h, 0, 1) if self.swap else h
     return nn.Dense(3, name="head")(jnp.tanh(h).mean(1))
 
 
@@ -304,56 +320,67 @@ def test_nnx_norms_of_their_own_get_the_unit_wise_natural_gradient(norm, stats_t
   _check(stats, updates["norm"], grads["norm"], per["norm"], names, stats_type, x.shape[0])
 
 
+# The norm of the scanned model: one of its own, or the Flax class it equals.
+NORMS = {"gemma": lambda name: GemmaRMSNorm(name=name),
+         "flax_rms": lambda name: nn.RMSNorm(EPS, name=name, param_dtype=F64),
+         "hand_ln": lambda name: HandLayerNorm(name=name),
+         "flax_ln": lambda name: nn.LayerNorm(1e-5, name=name, param_dtype=F64)}
+
+
 class Block(nn.Module):
   """A pre-norm residual MLP block, ``(carry, _) -> (carry, None)``."""
-  gemma: bool
+  norm: str
 
   @nn.compact
   def __call__(self, h, _):
-    norm = GemmaRMSNorm(name="norm") if self.gemma else nn.RMSNorm(EPS, name="norm",
-                                                                   param_dtype=F64)
-    return h + nn.Dense(C, name="mlp")(jnp.tanh(norm(h))), None
+    return h + nn.Dense(C, name="mlp")(jnp.tanh(NORMS[self.norm]("norm")(h))), None
 
 
 class Scanned(nn.Module):
   """``nn.scan(nn.remat(Block))`` over two blocks, then a norm and a head."""
-  gemma: bool = True
+  norm: str = "gemma"
 
   @nn.compact
   def __call__(self, x):
     stack = nn.scan(nn.remat(Block), variable_axes={"params": 0},
                     split_rngs={"params": True}, length=2)
-    h, _ = stack(self.gemma, name="blocks")(nn.Dense(C, name="dense_in")(x), None)
-    norm = GemmaRMSNorm(name="final") if self.gemma else nn.RMSNorm(EPS, name="final",
-                                                                    param_dtype=F64)
-    return nn.Dense(3, name="head")(norm(h).mean(1))
+    h, _ = stack(self.norm, name="blocks")(nn.Dense(C, name="dense_in")(x), None)
+    return nn.Dense(3, name="head")(NORMS[self.norm]("final")(h).mean(1))
 
 
-def _as_flax_rms(tree, offset):
-  """The Gemma model's leaves as the ``nn.RMSNorm`` model's: each norm's scale plus ``offset``
-  (1 for parameters, 0 for updates)."""
-  def convert(path, leaf):
-    names = [str(getattr(k, "key", k)) for k in path]
-    return leaf + offset if names[-2] in ("norm", "final") else leaf
-  return jax.tree_util.tree_map_with_path(convert, tree)
+def _as_flax(tree, norm, offset):
+  """The own-norm model's leaves as the Flax-norm model's: Gemma's scale plus ``offset`` (1 for
+  parameters, 0 for updates), or ``gamma`` / ``beta`` renamed ``scale`` / ``bias``."""
+  def convert(node, under_norm=False):
+    if not isinstance(node, dict):
+      return node + offset if under_norm and norm == "gemma" else node
+    names = {"gamma": "scale", "beta": "bias"} if under_norm else {}
+    return {names.get(k, k): convert(v, under_norm or k in ("norm", "final"))
+            for k, v in node.items()}
+  return convert(tree)
 
 
 @pytest.mark.parametrize("make", ["thor", "kfac"])
-def test_scanned_gemma_norms_equal_flax_rmsnorm(make):
+@pytest.mark.parametrize("norm,flax_norm", [("gemma", "flax_rms"), ("hand_ln", "flax_ln")])
+def test_scanned_norms_of_their_own_equal_flax_norms(norm, flax_norm, make):
   """Norms inside a scanned, rematerialized stack (statistics per layer of the stack): the
-  update of Gemma's ``scale`` equals ``nn.RMSNorm``'s for ``scale + 1``, with the aliases."""
+  update of Gemma's ``scale`` equals ``nn.RMSNorm``'s for ``scale + 1``, a hand-written layer
+  norm's ``nn.LayerNorm``'s, with the aliases and the capture's layout (before, the stack of
+  hand-written norms, whose statistics name ``gamma`` / ``beta``, was taken for one layer of
+  stacked shapes and raised)."""
   x, y = _data()
-  params = init_params(Scanned(), x)
+  params = init_params(Scanned(norm), x)
   tx = {"thor": lambda layers: thor_optax.thor(0.1, LAM, layers=layers),
         "kfac": lambda layers: thor_optax.kfac(0.1, LAM, layers=layers)}[make]
-  got, grads, stats = reference.captured_update(Scanned(), params, x, y, squared_error, tx,
+  got, grads, stats = reference.captured_update(Scanned(norm), params, x, y, squared_error, tx,
                                                 captured=True, jit=True)
   assert stats.unhandled == ()
   assert stats.layers["blocks"]["norm"].scale_grads.shape == (2, 1, 5, C)
-  want, _, _ = reference.captured_update(Scanned(False), _as_flax_rms(params, 1.0), x, y,
+  want, _, _ = reference.captured_update(Scanned(flax_norm), _as_flax(params, norm, 1.0), x, y,
                                          squared_error, tx, captured=True, jit=True)
-  reference.assert_trees_close(_as_flax_rms(got, 0.0), want)
-  assert float(jnp.abs(got["final"]["scale"] + 0.1 * grads["final"]["scale"]).max()) > 1e-3
+  reference.assert_trees_close(_as_flax(got, norm, 0.0), want)
+  leaf = "scale" if norm == "gemma" else "gamma"
+  assert float(jnp.abs(got["final"][leaf] + 0.1 * grads["final"][leaf]).max()) > 1e-3
 
 
 class ShiftBeforeScale(nn.Module):
@@ -401,7 +428,24 @@ class Gated(nn.Module):
     return jnp.where(x > 0, x, slope * x)
 
 
-NOT_AFFINE = {ShiftBeforeScale: "applies mul to its output ('bias', 'scale')",
+class SameParam(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):  # one array as the scale and as the shift
+    s = self.param("s", _init, (x.shape[-1],))
+    return _rms(x) * s + s
+
+
+class TimeMajorOutput(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):  # (N, T, C) -> (T, N, C): axis 0 of its output is not the examples'
+    return jnp.swapaxes(_rms(x) * self.param("scale", _init, (x.shape[-1],)), 0, 1)
+
+
+NOT_AFFINE = {SameParam: "uses 's' both as the scale and as the shift",
+              TimeMajorOutput: "does not keep the examples of its input (5, 3, 4) on axis 0",
+              ShiftBeforeScale: "applies mul to its output ('bias', 'scale')",
               OneMinus: "applies sub to the parameter ('scale')",
               Squared: "applies integer_pow to the parameter ('scale')",
               ScaleInside: "applies square to its output ('scale')",
@@ -411,7 +455,7 @@ NOT_AFFINE = {ShiftBeforeScale: "applies mul to its output ('bias', 'scale')",
 
 @pytest.mark.parametrize("cls", list(NOT_AFFINE), ids=lambda c: c.__name__)
 def test_a_call_that_is_not_a_scale_and_shift_is_listed(cls):
-  model = LinenNet(cls)
+  model = LinenNet(cls, swap=cls is TimeMajorOutput)
   x, y = _data()
   params = init_params(model, x)
 
@@ -487,6 +531,72 @@ def test_nnx_vmap_stack_of_gemma_norms_equals_the_nnx_rmsnorm_stack():
   assert stats.layers["blocks"]["norm"].scale_grads.shape == (2, 1, 5, C)
   own = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   reference_model = NnxStack(nnx.Rngs(1), own=False)
-  nnx.update(reference_model, nnx.State(_as_flax_rms(own, 1.0)))
+  nnx.update(reference_model, nnx.State(_as_flax(own, "gemma", 1.0)))
   want, _ = _nnx_update(reference_model, x, y)
-  reference.assert_trees_close(_as_flax_rms(got, 0.0), want)
+  reference.assert_trees_close(_as_flax(got, "gemma", 0.0), want)
+
+
+class DropoutNorm(nn.Module):
+  """An RMS norm with dropout on ``x_hat``: its copy without the scale cannot draw the same
+  mask (linen), so it is listed (before: ``InvalidRngError`` from the capture)."""
+
+  @nn.compact
+  def __call__(self, x):
+    x_hat = nn.Dropout(0.5, deterministic=False)(_rms(x))
+    return x_hat * self.param("scale", _init, (x.shape[-1],))
+
+
+def test_a_linen_norm_drawing_random_numbers_is_listed():
+  model = LinenNet(DropoutNorm)
+  x, y = _data()
+  params = init_params(model, x)
+  rngs = {"dropout": jax.random.key(3)}
+  capture = thor_linen.value_and_grad_with_stats(model, squared_error)
+  (_, grads), stats = jax.jit(lambda p: capture(p, x, y, rngs=rngs))(params)
+  (reason,) = stats.unhandled
+  assert reason.startswith("norm: ") and "draws random numbers" in reason, reason
+  want = jax.grad(lambda p: squared_error(model.apply({"params": p}, x, rngs=rngs), y))(params)
+  reference.assert_trees_close(grads, want)
+
+
+class RunningMeanShift(nn.Module):
+  """``(x - running_mean) * s + b``, the running mean updated during the call (read first)."""
+
+  @nn.compact
+  def __call__(self, x):
+    mean = self.variable("batch_stats", "mean", lambda: jnp.full((x.shape[-1],), 0.2, F64))
+    x_hat = x - mean.value
+    if self.is_mutable_collection("batch_stats"):
+      mean.value = 0.5 * mean.value + 0.5 * jax.lax.stop_gradient(x.mean((0, 1)))
+    return x_hat * self.param("s", _init, (x.shape[-1],)) + self.param("b", _init,
+                                                                        (x.shape[-1],))
+
+
+def test_x_hat_reads_the_collections_as_the_layer_read_them():
+  """A layer that reads a collection and then updates it: ``x_hat`` comes from the values it
+  read (before: from the updated ones, the statistics 23% off; the collections the capture
+  passed were views the layer's call wrote through)."""
+  model = LinenNet(RunningMeanShift)
+  x, y = _data()
+  params = init_params(model, x)
+  state = {"batch_stats": {"norm": {"mean": jnp.full((C,), 0.2, F64)}}}
+  capture = thor_linen.value_and_grad_with_stats(model, squared_error)
+  tx = thor_optax.scale_by_kfac(LAM, ema_decay=None)
+
+  def loss_one(norm, xn, yn):
+    out, _ = model.apply({"params": {**params, "norm": norm}, **state}, xn[None],
+                         mutable=["batch_stats"])
+    return squared_error(out, yn[None])
+
+  @jax.jit
+  def run(params, x, y):
+    (_, grads), stats, mutated = capture(params, x, y, model_state=state,
+                                         mutable=["batch_stats"])
+    updates = tx.update(grads, tx.init(params), params, curvature_stats=stats)[0]
+    per = jax.vmap(jax.grad(loss_one), in_axes=(None, 0, 0))(params["norm"], x, y)
+    return stats, updates, grads, per, mutated
+
+  stats, updates, grads, per, mutated = run(params, x, y)
+  assert float(jnp.abs(mutated["batch_stats"]["norm"]["mean"] - 0.2).max()) > 1e-2
+  _check(stats, updates["norm"], grads["norm"], per, ("s", "b"), "ChannelAffineStats",
+         x.shape[0])

@@ -1195,8 +1195,10 @@ def _forward(apply: _Apply, model_state: dict, inputs: Any,
     if path not in normalized:
       mod.scope.put_variable("params", _INPUTS, primary_input(args, kwargs))
       return next_fun(*args, **kwargs) + mod.scope.get_variable("params", _PERTURBATION)
-    # Non-parameter collections (batch_stats) as the layer sees them, before it updates them.
-    state = {col: v for col, v in mod.variables.items() if col != "params"}
+    # Non-parameter collections (batch_stats) as the layer sees them, before it updates them:
+    # copied containers (mod.variables are views the layer's call writes through).
+    state = jax.tree_util.tree_map(
+        lambda v: v, {col: v for col, v in mod.variables.items() if col != "params"})
     out = next_fun(*args, **kwargs)
     in_clone[0] = True
     try:

@@ -72,6 +72,7 @@ class ChannelAffineStats:
       one).
     scale: the scale leaf's name, or ``None`` without one (static).
     bias: the shift leaf's name, or ``None`` without one (static).
+    ndim: the leaves' rank in one layer (static; a stack of such layers has more).
 
   Source: Osawa et al., SP-NGD, TPAMI 2020 (unit-wise natural gradient); a type apart from
   ``NormStats`` (not a subclass) so that its leaves are read by name, never by the ``'norm'``
@@ -82,6 +83,7 @@ class ChannelAffineStats:
   bias_grads: jax.Array
   scale: Optional[str] = dataclasses.field(default="scale", metadata=dict(static=True))
   bias: Optional[str] = dataclasses.field(default="bias", metadata=dict(static=True))
+  ndim: int = dataclasses.field(default=1, metadata=dict(static=True))
 
 
 def own_channels(module: Any) -> Optional[tuple[str, ...]]:
@@ -184,6 +186,8 @@ def _step(eqn: Any, ins: list) -> tuple[Optional[_Tag], str]:
     return _Tag("fb", first.axes, bias=(first.leaf, first.shift)), ""
   if name == "add" and a and b and {a.form, b.form} == {"ys", "p"}:
     ys, p = (a, b) if a.form == "ys" else (b, a)
+    if p.leaf == ys.scale[0]:
+      return None, f"it uses {p.leaf!r} both as the scale and as the shift"
     if p.axes != ys.axes:
       return None, f"it adds {p.leaf!r} along other axes than its scale's"
     return ys._replace(form="ysb", bias=(p.leaf, p.shift)), ""
@@ -234,8 +238,8 @@ def layout(module: Any, args: tuple, kwargs: dict) -> tuple[Optional[dict], str]
   ``args``, ``kwargs`` (one array and Python constants) is ``x_hat * (scale + c_s) + (bias +
   c_b)`` (module docstring), else ``(None, reason)``. ``meta``: ``channel_axes`` (the output's
   axes the arrays' axes of size above 1 lie along, in their order), ``scale``, ``bias`` (the
-  leaves' names or ``None``) and ``scale_shift``, ``bias_shift`` (``c_s``, ``c_b``). Called
-  during the call, with the module live."""
+  leaves' names or ``None``), ``scale_shift``, ``bias_shift`` (``c_s``, ``c_b``) and
+  ``ndim`` (the leaves' rank). Called during the call, with the module live."""
   names = list(own_channels(module))
   what = f"{type(module).__name__} holds the parameter{'s' * (len(names) > 1)} {names}"
   try:
@@ -261,13 +265,31 @@ def layout(module: Any, args: tuple, kwargs: dict) -> tuple[Optional[dict], str]
       why = f"its output is not scaled or shifted by {sorted(set(names) - set(used))}"
     elif 0 in out.axes:
       why = "it lays them along the examples (axis 0 of its output)"
+    elif not shape.shape or shape.shape[0] != jnp.shape(base.primary_input(args, kwargs))[0]:
+      why = (f"its output {tuple(shape.shape)} does not keep the examples of its input "
+             f"{tuple(jnp.shape(base.primary_input(args, kwargs)))} on axis 0")
+    elif isinstance(module, nn.Module) and _draws_random(jaxpr):
+      why = ("it draws random numbers (dropout): the copy of it that gives x_hat cannot draw "
+             "the same")
   if why:
     return None, (f"{what}, but its call is not a scale and shift of each entry of a "
                   f"function of its input alone: {why}; register a layer kind for it "
                   "(thor_optax.register_layer_kind)")
   scale, bias = out.scale or (None, 0.0), out.bias or (None, 0.0)
   return dict(channel_axes=out.axes, scale=scale[0], bias=bias[0], scale_shift=scale[1],
-              bias_shift=bias[1]), ""
+              bias_shift=bias[1], ndim=jaxpr.invars[0].aval.ndim), ""
+
+
+def _draws_random(jaxpr: Any) -> bool:
+  """Whether ``jaxpr`` (or a jaxpr inside it) draws random numbers."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name.startswith(("random_", "threefry")):
+      return True
+    for value in eqn.params.values():
+      inner = getattr(value, "jaxpr", value)
+      if hasattr(inner, "eqns") and _draws_random(inner):
+        return True
+  return False
 
 
 def _roles(stats: Any) -> tuple[Optional[str], Optional[str]]:
@@ -362,11 +384,11 @@ class ChannelAffine(norm.Norm):
     return plain
 
   def make_stats(self, inputs, cotangents, *, channel_axes, scale, bias, scale_shift,
-                 bias_shift) -> Any:
+                 bias_shift, ndim) -> Any:
     """Per-example gradients ``(S, N, C)`` of each entry of the arrays from ``x_hat (N, ...)``
     and ``g (S, N, ...)``: summed over the output's axes but the examples and
     ``channel_axes``, the entries flattened in the arrays' order. ``NormStats`` for arrays
-    ``(C,)`` named ``scale`` and ``bias`` by their roles (the ``'norm'`` kind lays them out
+    ``(C,)`` (``ndim`` 1) named ``scale`` and ``bias`` by their roles (the ``'norm'`` kind lays them out
     from their shapes), else :class:`ChannelAffineStats` naming them."""
     del scale_shift, bias_shift
     dtype = jnp.promote_types(inputs.dtype, cotangents.dtype)
@@ -384,9 +406,9 @@ class ChannelAffine(norm.Norm):
                    else jnp.zeros_like(bias_grads))
     if bias is None:
       bias_grads = jnp.zeros_like(bias_grads)
-    if scale in (None, "scale") and bias in (None, "bias") and len(channel_axes) <= 1:
+    if scale in (None, "scale") and bias in (None, "bias") and ndim == 1:
       return norm.NormStats(scale_grads=scale_grads, bias_grads=bias_grads)
-    return ChannelAffineStats(scale_grads, bias_grads, scale=scale, bias=bias)
+    return ChannelAffineStats(scale_grads, bias_grads, scale=scale, bias=bias, ndim=ndim)
 
   def channels(self, spec: base.LayerSpec) -> int:
     """The number of entries of each array."""
@@ -449,14 +471,14 @@ class ChannelAffine(norm.Norm):
 
   def claim_captured(self, path, shapes, hint) -> Optional[base.Claim]:
     del path
-    names = {n for n in hint if n is not None}
-    if not names or set(shapes) != names or len(set(shapes.values())) != 1 or not next(
-        iter(shapes.values())):
-      return None
+    names = {n for n in hint[:2] if n is not None}
+    if not names or set(shapes) != names or len(set(shapes.values())) != 1 or len(next(
+        iter(shapes.values()))) != hint[2]:
+      return None  # (a stack of layers: its leaves have more axes than one layer's, hint[2])
     return base.Claim(a_dim=None, g_dim=None)
 
   def hint(self, stats: ChannelAffineStats) -> tuple:
-    return (stats.scale, stats.bias)
+    return (stats.scale, stats.bias, stats.ndim)
 
   def leaf_names(self, hint: tuple) -> tuple[Optional[str], Optional[str]]:
-    return tuple(hint) if hint else ("scale", "bias")
+    return tuple(hint[:2]) if hint else ("scale", "bias")
