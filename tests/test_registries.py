@@ -277,6 +277,8 @@ class KindNet(nn.Module):
       h = TransposedDense(4, name="layer")(x)
     elif self.kind == "channel_affine":  # a layer norm of no Flax class, leaves gamma / beta
       h = HandLayerNorm(name="layer")(nn.Dense(4, name="pre")(x))
+    elif self.kind == "lookup":  # an embedding of no Flax class, its table named wte
+      h = TableLookup(name="layer")(x).mean(axis=1)
     else:
       raise ValueError(f"no test layer of kind {self.kind!r}: add one to KindNet and NnxKindNet")
     return nn.Dense(3, name="head")(jnp.tanh(h))
@@ -302,6 +304,24 @@ class HandLayerNorm(nn.Module):
     beta = self.param("beta", nn.initializers.zeros, (x.shape[-1],))
     return gamma * (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) \
         + beta
+
+
+class TableLookup(nn.Module):
+  """``wte[ids] * 2``: a ``(7, 4)`` table of no Flax class, looked up and scaled."""
+
+  @nn.compact
+  def __call__(self, ids):
+    return jnp.take(self.param("wte", nn.initializers.normal(1.0), (7, 4)), ids, axis=0) * 2.0
+
+
+class NnxTableLookup(nnx.Module):
+  """:class:`TableLookup` in NNX (attribute ``wte``)."""
+
+  def __init__(self):
+    self.wte = nnx.Param(jnp.zeros((7, 4), F64))
+
+  def __call__(self, ids):
+    return self.wte[...][ids] * 2.0
 
 
 class NnxHandLayerNorm(nnx.Module):
@@ -353,6 +373,8 @@ class NnxKindNet(nnx.Module):
     elif kind == "channel_affine":
       self.pre = nnx.Linear(3, 4, **kw)
       self.layer = NnxHandLayerNorm(4)
+    elif kind == "lookup":
+      self.layer = NnxTableLookup()
     else:
       raise ValueError(f"no test layer of kind {kind!r}: add one to KindNet and NnxKindNet")
     self.head = nnx.Linear(4, 3, **kw)
@@ -362,7 +384,7 @@ class NnxKindNet(nnx.Module):
       h = self.layer(x)
     elif self.kind in ("conv", "conv_transpose"):
       h = self.layer(x).mean(axis=(1, 2))
-    elif self.kind == "embed":
+    elif self.kind in ("embed", "lookup"):
       h = self.layer(x).mean(axis=1)
     elif self.kind in ("dense_general", "einsum"):
       h = self.layer(x).reshape(x.shape[0], 4)
@@ -372,7 +394,7 @@ class NnxKindNet(nnx.Module):
 
 
 def _kind_inputs(kind):
-  if kind == "embed":
+  if kind in ("embed", "lookup"):
     return jnp.asarray(np.random.default_rng(3).integers(0, 7, (BATCH, 3)))
   shape = (BATCH, 4, 4, 2) if kind.startswith("conv") else (BATCH, 3)
   return jnp.asarray(randn(3, shape))
@@ -453,8 +475,8 @@ def test_layer_kind(kind):
     claim = kind.claim_captured(("layer",), shapes, kind.hint(stats.layers["layer"]))
     assert claim is not None
     # An einsum's contracted axes are in its equation only; that a kernel is applied
-    # transposed, in the traced call only.
-    if kind.name not in ("einsum", "matmul"):
+    # transposed, or that a table of another name is looked up, in the traced call only.
+    if kind.name not in ("einsum", "matmul", "lookup"):
       assert kind.claim(("layer",), shapes) == claim
       assert layers_lib.claim(("layer",), shapes) == (kind, claim)
       shape_only = blocks.build_layout(params, None).layer("layer")

@@ -32,8 +32,8 @@ Public API (import from here, ``thor_optax.flax`` or ``thor_optax.nnx``; never f
 * ``KroneckerState``, ``Diagnostics``, ``LayerDiagnostics``: the transform state, its per-layer
   record (a mapping from layer path to ``LayerDiagnostics``) and one layer's record.
 * ``DenseStats``, ``DenseGeneralStats``, ``EinsumStats``, ``ConvStats``, ``EmbedStats``,
-  ``NormStats``, ``MatmulStats``, ``ChannelAffineStats``, ``CurvatureStats``: raw per-layer
-  statistics.
+  ``NormStats``, ``MatmulStats``, ``ChannelAffineStats``, ``LookupStats``, ``CurvatureStats``:
+  raw per-layer statistics.
 * ``LayerKind``, ``register_layer_kind``, ``unregister_layer_kind``: layer kinds of one's own
   (``thor_optax.layers`` has the pieces a kind is built from and the built-in kinds).
 * ``thor_optax.flax.value_and_grad_with_stats``: capture from an unchanged Flax linen model;
@@ -75,6 +75,7 @@ from thor_optax._src.stats import DenseStats
 from thor_optax._src.stats import EinsumStats
 from thor_optax._src.stats import MatmulStats
 from thor_optax._src.stats import ChannelAffineStats
+from thor_optax._src.stats import LookupStats
 from thor_optax._src.stats import EmbedStats
 from thor_optax._src.stats import NormStats
 from thor_optax._src.transform import Diagnostics
@@ -102,6 +103,7 @@ __all__ = (
     "EinsumStats",
     "MatmulStats",
     "ChannelAffineStats",
+    "LookupStats",
     "EmbedStats",
     "KLClipState",
     "KroneckerState",

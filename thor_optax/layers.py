@@ -3,9 +3,10 @@
 A kind is a :class:`LayerKind` subclass instance registered with :func:`register_layer_kind` (tried
 before the built-in kinds). The built-in kinds are instances of ``Dense``, ``Conv``,
 ``ConvTranspose``, ``DenseGeneral``, ``Einsum``, ``Embed``, ``Norm``, ``Matmul`` (any other
-linen or NNX module whose call is a product by its own weight) and ``ChannelAffine`` (any other
+linen or NNX module whose call is a product by its own weight), ``ChannelAffine`` (any other
 module whose call scales and shifts a function of its input by its own arrays: norms and
-position embeddings of one's own); ``registered()`` lists them in the order they are tried.
+position embeddings of one's own) and ``Lookup`` (any other module whose call looks rows of its
+own table up); ``registered()`` lists them in the order they are tried.
 Subclass one of these classes to reuse its factors (see the README's "Layer kinds of your
 own").
 """
@@ -27,6 +28,8 @@ from thor_optax._src.layers.dense import Dense
 from thor_optax._src.layers.dense_general import DenseGeneral
 from thor_optax._src.layers.einsum import Einsum
 from thor_optax._src.layers.embed import Embed
+from thor_optax._src.layers.lookup import Lookup
+from thor_optax._src.layers.lookup import LookupStats
 from thor_optax._src.layers.matmul import Matmul
 from thor_optax._src.layers.matmul import MatmulStats
 from thor_optax._src.layers.norm import Norm
@@ -45,6 +48,8 @@ __all__ = (
     "FactorRows",
     "LayerKind",
     "LayerSpec",
+    "Lookup",
+    "LookupStats",
     "Matmul",
     "MatmulStats",
     "Norm",

@@ -903,18 +903,25 @@ def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, me
   attention-key analysis (``attention_keys.Marks``) with the output's positions when it is a
   call the kind plans, the kind's plan of a ``__call__`` (``None`` for another method), and
   the kind. A module that several :attr:`~thor_optax._src.layers.base.LayerKind.live_plan`
-  kinds match (one weight: a product for ``'matmul'``, a shift for ``'channel_affine'``) is
-  planned by each in registry order until one captures the call (the first one's reason lists
-  it otherwise). Another method's call (a tied embedding's ``attend``) or one the kinds list is
+  kinds match (one weight: a product for ``'matmul'``, a shift for ``'channel_affine'``, a
+  lookup for ``'lookup'``) is planned by each in registry order until one captures the call;
+  otherwise the reason of the first one for the input's type lists it (integer ids: the
+  ``'lookup'`` kind's). Another method's call (a tied embedding's ``attend``) or one the kinds list is
   noted unmarked."""
   plan = kind.plan_call(mod, args, kwargs) if method == "__call__" else None
   if plan is not None and plan.meta is None and kind.live_plan:
+    x = primary_input(args, kwargs)
+    ids = jnp.issubdtype(jnp.result_type(x), jnp.integer) if hasattr(x, "dtype") else False
+    refused = [(kind, plan)]
     for other in layers_lib.kinds_of_module(mod):
       if other is not kind and other.live_plan:
-        other_plan = other.plan_call(mod, args, kwargs)
-        if other_plan.meta is not None:
-          kind, plan = other, other_plan
+        refused.append((other, other.plan_call(mod, args, kwargs)))
+        if refused[-1][1].meta is not None:
           break
+    # Captured by the last one tried, or listed with the reason of the first kind for the
+    # input's type (integer ids: an embedding's).
+    kind, plan = (refused[-1] if refused[-1][1].meta is not None else next(
+        (p for p in refused if p[0].integer_inputs == ids), refused[0]))
   if plan is None or plan.meta is None:
     marks.skip(path)
     return out, plan, kind

@@ -29,6 +29,7 @@ from thor_optax._src.layers import dense
 from thor_optax._src.layers import dense_general
 from thor_optax._src.layers import einsum
 from thor_optax._src.layers import embed
+from thor_optax._src.layers import lookup
 from thor_optax._src.layers import matmul
 from thor_optax._src.layers import norm
 
@@ -41,6 +42,7 @@ EmbedStats = embed.EmbedStats
 NormStats = norm.NormStats
 MatmulStats = matmul.MatmulStats
 ChannelAffineStats = channel_affine.ChannelAffineStats
+LookupStats = lookup.LookupStats
 LayerStats = Any  # an instance of a registered layer kind's ``stats_type``
 
 

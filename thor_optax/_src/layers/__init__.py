@@ -3,7 +3,8 @@ loop over it.
 
 Each kind is one module of this package (``dense.py``, ``conv.py``, ``conv_transpose.py``,
 ``dense_general.py``, ``einsum.py``, ``embed.py``, ``norm.py``, ``matmul.py``,
-``channel_affine.py``; the last two read a module's call traced alone, ``traced.py``)
+``channel_affine.py``, ``lookup.py``; the last three read a module's call traced alone,
+``traced.py``)
 holding a :class:`~thor_optax._src.layers.base.LayerKind`. Kinds are tried in registry order;
 a kind registered by a user with :func:`register_layer_kind` is tried before the built-in ones,
 so it can take over modules (a subclass of ``nn.Conv`` whose kernel is transformed in
@@ -23,6 +24,7 @@ from thor_optax._src.layers import dense
 from thor_optax._src.layers import dense_general
 from thor_optax._src.layers import einsum
 from thor_optax._src.layers import embed
+from thor_optax._src.layers import lookup
 from thor_optax._src.layers import matmul
 from thor_optax._src.layers import norm
 
@@ -33,7 +35,7 @@ LayerSpec = base.LayerSpec
 _BUILTIN: tuple[base.LayerKind, ...] = (dense.Dense(), conv.Conv(), conv_transpose.ConvTranspose(),
                                          dense_general.DenseGeneral(), einsum.Einsum(),
                                          embed.Embed(), norm.Norm(), matmul.Matmul(),
-                                         channel_affine.ChannelAffine())
+                                         channel_affine.ChannelAffine(), lookup.Lookup())
 _user: list[base.LayerKind] = []
 
 
@@ -43,7 +45,7 @@ def registered() -> tuple[base.LayerKind, ...]:
   Returns:
     a tuple of :class:`LayerKind` instances; the built-in ones last, in the order ``Dense``,
     ``Conv``, ``ConvTranspose``, ``DenseGeneral``, ``Einsum``, ``Embed``, ``Norm``,
-    ``Matmul``, ``ChannelAffine``.
+    ``Matmul``, ``ChannelAffine``, ``Lookup``.
 
   Raises:
     Nothing.

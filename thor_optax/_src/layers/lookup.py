@@ -1,0 +1,314 @@
+"""Embedding tables of modules of any class whose call looks rows up by integer ids.
+
+MaxText's, T5X's and flaxformer's ``Embed`` modules hold their table as a parameter of their own
+and look tokens up in ``__call__``, ``jnp.asarray(self.embedding, self.dtype)[inputs]``;
+tutorials write ``self.param('wte', ...)[tokens]`` or ``jnp.take(table, ids, axis=0)``, some
+scaled by a constant (``* sqrt(d)``). No Flax class says what such a module computes, so this
+kind recognises it from its call, traced alone (``traced.py``): a linen or NNX module whose own
+parameter is one table ``(vocab, features)`` and whose call on integer ids is, up to float
+casts, ``c * table[ids]`` (one ``gather`` of whole rows by the ids themselves, ``c`` a constant
+computed from literals alone) is an embedding: its curvature is the ``'embed'`` kind's (``embed.py``: THOR's diagonal
+``A`` of token counts, ``G`` from the output cotangents), with the constant folded into the
+cotangents (``d table = c scatter(g)``). Anything else (a mask or another array multiplying the
+rows, rows looked up by a function of the ids such as ``ids + 2``, whose token counts would be
+the wrong rows', rows of another axis; a one-hot product is the ``'matmul'`` kind's dense layer)
+lists the module with the reason.
+
+A table named ``embedding`` gives :class:`~thor_optax._src.layers.embed.EmbedStats`, which the
+``'embed'`` kind lays out from its shape; any other :class:`LookupStats`, naming it, laid out
+from the capture's statistics (``layers=captured_layers(stats)``). A tied use of the table
+(``attend``, ``decode``: another method) is not intercepted: the capture finds the table
+reaching the outputs other than through the lookup and lists the module (weight sharing).
+
+References:
+  Chen et al., "THOR", AAAI 2021 (diagonal ``A`` of embeddings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from thor_optax._src.layers import base
+from thor_optax._src.layers import embed
+from thor_optax._src.layers import traced
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LookupStats:
+  """:class:`~thor_optax._src.layers.embed.EmbedStats`' fields for a table of a module of one's
+  own not named ``embedding``.
+
+  Attributes:
+    inputs: integer token ids ``(N, ...)``.
+    cotangents: per-example cotangents of the looked-up rows ``(S, N, ..., features)`` (the
+      output's, times the call's constant).
+    attend_inputs, attend_cotangents: always ``None`` (a tied use is listed); kept so that the
+      ``'embed'`` kind's maths reads these statistics as its own.
+    num_terms: as ``EmbedStats``' (static).
+    table: the table leaf's name (static).
+
+  Source: Chen et al., THOR, AAAI 2021; a type apart from ``EmbedStats`` so that the table is
+  read by name (this project).
+  """
+
+  inputs: jax.Array
+  cotangents: jax.Array
+  attend_inputs: Optional[jax.Array] = None
+  attend_cotangents: Optional[jax.Array] = None
+  num_terms: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
+  table: str = dataclasses.field(default="embedding", metadata=dict(static=True))
+
+
+def own_table(module: Any) -> Optional[str]:
+  """The name of a module's own parameter when it is its only one and of rank 2 and the module
+  is no Flax class (:func:`traced.own_params`); ``None`` otherwise."""
+  if type(module).__module__.split(".")[0] == "flax" or not traced.takes_an_input(type(module)):
+    return None
+  if not isinstance(module, nnx.Module) and (
+      not isinstance(module, nn.Module) or getattr(module, "scope", None) is None):
+    return None
+  try:
+    leaves = traced.own_params(module)
+  except Exception:  # pylint: disable=broad-except  # an unbound module, a scope Flax invalidated
+    return None
+  if len(leaves) != 1 or len(getattr(next(iter(leaves.values())), "shape", ())) != 2:
+    return None
+  return next(iter(leaves))
+
+
+def _constant(jaxpr: Any, var: Any) -> Optional[float]:
+  """The value of a scalar ``var`` of ``jaxpr`` computed from literals alone (``jnp.sqrt(d)``),
+  else ``None``."""
+  values: dict = {}
+  with jax.ensure_compile_time_eval():  # concrete values, also inside the capture's trace
+    _evaluate(jaxpr, values)
+  value = values.get(var)
+  return None if value is None or np.ndim(value) else float(value)
+
+
+def _evaluate(jaxpr: Any, values: dict) -> None:
+  """Fills ``values`` with the value of every variable of ``jaxpr`` computed from literals
+  alone (equations of calls are left out)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in traced.CALLS or any(
+        isinstance(v, jax.extend.core.Var) and v not in values for v in eqn.invars):
+      continue
+    args = [v.val if isinstance(v, jax.extend.core.Literal) else values[v] for v in eqn.invars]
+    outs = eqn.primitive.bind(*args, **eqn.params)
+    for v, o in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
+      values[v] = o
+
+
+def _is_row_gather(eqn: Any, ids_ndim: int) -> bool:
+  """Whether a ``gather`` takes whole rows of its rank-2 operand by one index per output row:
+  ``table[ids]``, ``jnp.take(table, ids, axis=0)``."""
+  dims = eqn.params["dimension_numbers"]
+  operand = eqn.invars[0].aval.shape
+  return (tuple(dims.collapsed_slice_dims) == (0,) and tuple(dims.start_index_map) == (0,)
+          and not tuple(dims.operand_batching_dims)
+          and tuple(eqn.params["slice_sizes"]) == (1, operand[1])
+          and tuple(dims.offset_dims) == (ids_ndim,))
+
+
+def _ids_step(eqn: Any, kinds: list, vocab: int) -> Optional[str]:
+  """The tag of an equation's output on the ids (``'ids'``: the ids themselves, up to integer
+  casts, axes of size 1 and the wrap of negative ids ``select_n(ids < 0, ids, ids + vocab)``
+  that indexing adds; ``'neg'``, ``'wrapped'``: that wrap's two parts), or ``None`` for any
+  other function of them."""
+  prim, ins = eqn.primitive.name, eqn.invars
+  literal = [float(v.val) if isinstance(v, jax.extend.core.Literal) and np.ndim(v.val) == 0
+             else None for v in ins]
+  if prim in traced.CASTS and kinds == ["ids"] and jnp.issubdtype(eqn.outvars[0].aval.dtype,
+                                                                    jnp.integer):
+    return "ids"
+  if prim in ("broadcast_in_dim", "reshape") and kinds == ["ids"] and [
+      n for n in ins[0].aval.shape if n != 1] == [n for n in eqn.outvars[0].aval.shape if n != 1]:
+    return "ids"
+  if prim == "lt" and kinds == ["ids", None] and literal[1] == 0:
+    return "neg"
+  if prim == "add" and sorted(map(str, kinds)) == ["None", "ids"] and vocab in literal:
+    return "wrapped"
+  if prim == "select_n" and kinds == ["neg", "ids", "wrapped"]:
+    return "ids"
+  return None
+
+
+def _walk(jaxpr: Any, tags: dict, ids_ndim: int, vocab: int) -> tuple[float, str]:
+  """Tags the values of ``jaxpr`` derived from the table (``'table'``: itself, up to casts;
+  ``'rows'``: its rows looked up by the ids, times constants) and from the ids
+  (:func:`_ids_step`); returns ``(the constants' product, why)`` with ``why`` the other
+  operation on them (``''``: none). Bodies of calls (``jnp.take``'s ``jit``) are walked."""
+  scale = 1.0
+  for eqn in jaxpr.eqns:
+    kinds = [tags.get(v) if isinstance(v, jax.extend.core.Var) else None for v in eqn.invars]
+    if not any(kinds):
+      continue
+    prim, out = eqn.primitive.name, eqn.outvars
+    if prim in traced.CALLS and "jaxpr" in eqn.params:
+      inner = eqn.params["jaxpr"]
+      inner = getattr(inner, "jaxpr", inner)
+      sub = {v: k for v, k in zip(inner.invars, kinds) if k}
+      c, why = _walk(inner, sub, ids_ndim, vocab)
+      if why:
+        return scale, why
+      scale *= c
+      for v, w in zip(out, inner.outvars):
+        if isinstance(w, jax.extend.core.Var) and w in sub:
+          tags[v] = sub[w]
+    elif "table" not in kinds and "rows" not in kinds:
+      other = next((k for k in kinds if str(k).startswith("f(ids)")), f"f(ids) {prim}")
+      for v in out:  # another function of the ids (a mask, shifted ids), named by its first op
+        tags[v] = _ids_step(eqn, kinds, vocab) or other
+    elif prim in traced.CASTS and jnp.issubdtype(out[0].aval.dtype, jnp.floating) \
+        and jnp.dtype(out[0].aval.dtype).itemsize >= 2:
+      tags[out[0]] = kinds[0]
+    elif prim == "gather" and kinds == ["table", "ids"] and _is_row_gather(eqn, ids_ndim):
+      tags[out[0]] = "rows"
+    elif prim == "gather" and kinds[0] == "table" and str(kinds[1]).startswith("f(ids)"):
+      return scale, f"it looks rows up by a function of the ids ({kinds[1][7:]})"
+    elif prim in ("mul", "div") and "rows" in kinds and len(kinds) == 2 and (
+        prim == "mul" or kinds[0] == "rows") and kinds[0] != kinds[1]:
+      i = 1 - kinds.index("rows")
+      other = eqn.invars[i]
+      c = None if kinds[i] is not None else (
+          float(other.val) if isinstance(other, jax.extend.core.Literal)
+          and np.ndim(other.val) == 0 else _constant(jaxpr, other))
+      if c is None:
+        return scale, f"it multiplies the rows by an array that is not a constant ({prim})"
+      scale = scale * c if prim == "mul" else scale / c
+      tags[out[0]] = "rows"
+    else:
+      named = sorted({k if k in ("table", "rows") else "ids" for k in kinds if k})
+      return scale, f"it applies {prim} to the {' and '.join(named)}"
+  return scale, ""
+
+
+def layout(module: Any, args: tuple, kwargs: dict) -> tuple[Optional[dict], str]:
+  """``(meta, '')`` when the call of ``module`` (matched by :func:`own_table`) on integer ids is
+  ``c * table[ids]`` (module docstring), else ``(None, reason)``; ``meta``: ``table`` (the
+  leaf's name) and ``scale`` (``c``)."""
+  name = own_table(module)
+  ids = base.primary_input(args, kwargs)
+  what = f"{type(module).__name__} holds a table {name!r}"
+  try:
+    closed, shape = traced.trace_alone(module, [name], args, kwargs)
+  except Exception as e:  # pylint: disable=broad-except  # any failure lists the module
+    return None, (f"{what} but its call could not be traced alone on its input "
+                  f"({type(e).__name__}: {str(e)[:120]})")
+  jaxpr = closed.jaxpr
+  tags = {jaxpr.invars[0]: "table", jaxpr.invars[1]: "ids"}
+  try:
+    scale, why = _walk(jaxpr, tags, jnp.ndim(ids), jaxpr.invars[0].aval.shape[0])
+  except Exception as e:  # pylint: disable=broad-except  # an unforeseen form lists the module
+    scale, why = 1.0, f"its jaxpr could not be read ({type(e).__name__}: {str(e)[:120]})"
+  if not why and (not isinstance(shape, jax.ShapeDtypeStruct)
+                  or tags.get(jaxpr.outvars[0]) != "rows"):
+    why = "its output is not one array of rows of the table"
+  if why:
+    return None, (f"{what}, but its call is not a lookup of rows of it by the ids: {why}; "
+                  "register a layer kind for it (thor_optax.register_layer_kind)")
+  return dict(table=name, scale=scale), ""
+
+
+class Lookup(embed.Embed):
+  """The ``'lookup'`` kind: a linen or NNX module of any class but Flax's whose own parameter is
+  one table ``(vocab, features)`` (:func:`own_table`) and whose call on integer ids is ``c *
+  table[ids]`` (:func:`layout`): the ``Embed`` of MaxText, T5X and flaxformer, a hand-written
+  ``self.param('wte', ...)[tokens]``. A module holding one array of rank 2 is tried as a
+  ``'matmul'`` and a ``'channel_affine'`` layer first; this kind plans its call when those list
+  it.
+
+  The curvature is the ``'embed'`` kind's (diagonal ``A`` of token counts, ``G`` from the
+  cotangents, folded with ``c``). A table named ``embedding`` gives
+  :class:`~thor_optax._src.layers.embed.EmbedStats`, laid out by the ``'embed'`` kind from its
+  shape; any other :class:`LookupStats`, laid out from the capture's statistics
+  (``layers=thor_optax.captured_layers(stats)``).
+
+  Listed in ``CurvatureStats.unhandled`` instead of captured: a call that is not that lookup
+  (the reason names the first other use of the table), ids that are not integers, a tied use of
+  the table by another method (weight sharing), and as for ``'embed'``, scalar ids and a
+  module called more than once.
+
+  Raises:
+    ValueError: at a check step, naming the layer, for statistics that are not
+      :class:`LookupStats` of ids and cotangents that fit the table.
+
+  Source: Chen et al., THOR, AAAI 2021 (diagonal ``A``); this project (recognising the lookup
+  from the traced call).
+  """
+
+  name = "lookup"
+  stats_type = LookupStats
+  linen_modules = ()
+  nnx_modules = ()
+  methods = ("__call__",)
+  live_plan = True
+  shares_weights = False
+  stacks_from_shapes = False
+
+  def matches(self, module: Any) -> bool:
+    """A bound linen module or an NNX module whose own parameter is one rank-2 table
+    (:func:`own_table`); whether its call is a lookup is the plan's question."""
+    return not traced.tracing_alone() and own_table(module) is not None
+
+  def plan_call(self, module, args, kwargs) -> base.Plan:
+    """Captured when the call's input is an array of integer ids with a batch axis, its other
+    arguments Python constants, and the call is the lookup (:func:`layout`)."""
+    ids = base.primary_input(args, kwargs)
+    if not isinstance(ids, jax.Array) or not jnp.issubdtype(ids.dtype, jnp.integer):
+      return base.Plan(None, f"{type(module).__name__} holds a table, but its input is not "
+                       "an array of integer ids")
+    plan = self.plan(module, ("__call__",), jnp.shape(ids))
+    if plan.meta is None:
+      return plan
+    meta, why = layout(module, args, kwargs)
+    return base.Plan(meta, why)
+
+  def make_stats(self, inputs, cotangents, *, table, scale) -> Any:
+    """The ids and the cotangents times ``c``: ``EmbedStats`` for a table named
+    ``embedding``, else :class:`LookupStats` naming it."""
+    g = cotangents * jnp.asarray(scale, cotangents.dtype)
+    if table == "embedding":
+      return embed.EmbedStats(inputs=inputs, cotangents=g)
+    return LookupStats(inputs=inputs, cotangents=g, table=table)
+
+  def per_loss_term(self, stats, num_terms, weight_sharing):
+    """``'embed'``'s, keeping the statistics' type and table name."""
+    folded = super().per_loss_term(stats, num_terms, weight_sharing)
+    if not isinstance(stats, LookupStats):
+      return folded
+    return LookupStats(folded.inputs, folded.cotangents, num_terms=folded.num_terms,
+                       table=stats.table)
+
+  def claim(self, path, shapes) -> Optional[base.Claim]:
+    """Never from shapes alone (a rank-2 leaf of another name is no table by its shape)."""
+    del path, shapes
+    return None
+
+  def claim_captured(self, path, shapes, hint) -> Optional[base.Claim]:
+    del path
+    table = shapes.get(hint[0])
+    if table is None or len(table) != 2 or set(shapes) != {hint[0]}:
+      return None
+    return base.Claim(a_dim=None, g_dim=table[1])
+
+  def hint(self, stats: LookupStats) -> tuple:
+    return (stats.table,)
+
+  def leaf_names(self, hint: tuple) -> tuple[str, Optional[str]]:
+    return (hint[0] if hint else self.weight), None
+
+  def to_matrix(self, spec, leaves, dtype) -> jax.Array:
+    return leaves[self.leaf_names(spec.hint)[0]].astype(dtype)
+
+  def from_matrix(self, spec, matrix, leaves) -> dict[str, jax.Array]:
+    name = self.leaf_names(spec.hint)[0]
+    return {name: matrix.reshape(leaves[name].shape).astype(leaves[name].dtype)}
