@@ -906,8 +906,8 @@ def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, me
   kinds match (one weight: a product for ``'matmul'``, a shift for ``'channel_affine'``, a
   lookup for ``'lookup'``) is planned by each in registry order until one captures the call;
   otherwise the reason of the first one for the input's type lists it (integer ids: the
-  ``'lookup'`` kind's). Another method's call (a tied embedding's ``attend``) or one the kinds list is
-  noted unmarked."""
+  ``'lookup'`` kind's). Another method's call (a tied embedding's ``attend``) or one the kinds
+  list is noted unmarked."""
   plan = kind.plan_call(mod, args, kwargs) if method == "__call__" else None
   if plan is not None and plan.meta is None and kind.live_plan:
     x = primary_input(args, kwargs)

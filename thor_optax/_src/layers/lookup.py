@@ -7,12 +7,12 @@ scaled by a constant (``* sqrt(d)``). No Flax class says what such a module comp
 kind recognises it from its call, traced alone (``traced.py``): a linen or NNX module whose own
 parameter is one table ``(vocab, features)`` and whose call on integer ids is, up to float
 casts, ``c * table[ids]`` (one ``gather`` of whole rows by the ids themselves, ``c`` a constant
-computed from literals alone) is an embedding: its curvature is the ``'embed'`` kind's (``embed.py``: THOR's diagonal
-``A`` of token counts, ``G`` from the output cotangents), with the constant folded into the
-cotangents (``d table = c scatter(g)``). Anything else (a mask or another array multiplying the
-rows, rows looked up by a function of the ids such as ``ids + 2``, whose token counts would be
-the wrong rows', rows of another axis; a one-hot product is the ``'matmul'`` kind's dense layer)
-lists the module with the reason.
+computed from literals alone) is an embedding: its curvature is the ``'embed'`` kind's
+(``embed.py``: THOR's diagonal ``A`` of token counts, ``G`` from the output cotangents), with the
+constant folded into the cotangents (``d table = c scatter(g)``). Anything else (a mask or
+another array multiplying the rows, rows looked up by a function of the ids such as ``ids + 2``,
+whose token counts would be the wrong rows', rows of another axis; a one-hot product is the
+``'matmul'`` kind's dense layer) lists the module with the reason.
 
 A table named ``embedding`` gives :class:`~thor_optax._src.layers.embed.EmbedStats`, which the
 ``'embed'`` kind lays out from its shape; any other :class:`LookupStats`, naming it, laid out
