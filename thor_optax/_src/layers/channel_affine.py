@@ -388,8 +388,8 @@ class ChannelAffine(norm.Norm):
     """Per-example gradients ``(S, N, C)`` of each entry of the arrays from ``x_hat (N, ...)``
     and ``g (S, N, ...)``: summed over the output's axes but the examples and
     ``channel_axes``, the entries flattened in the arrays' order. ``NormStats`` for arrays
-    ``(C,)`` (``ndim`` 1) named ``scale`` and ``bias`` by their roles (the ``'norm'`` kind lays them out
-    from their shapes), else :class:`ChannelAffineStats` naming them."""
+    ``(C,)`` (``ndim`` 1) named ``scale`` and ``bias`` by their roles (the ``'norm'`` kind lays
+    them out from their shapes), else :class:`ChannelAffineStats` naming them."""
     del scale_shift, bias_shift
     dtype = jnp.promote_types(inputs.dtype, cotangents.dtype)
     g = cotangents.astype(dtype)
