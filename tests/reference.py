@@ -1,5 +1,6 @@
 """Shared helpers of the float64 dense-reference tests (exactness, factors, methods)."""
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 import thor_optax
 from thor_optax.flax import value_and_grad_with_stats
+import thor_optax.nnx
 
 F64 = jnp.float64
 
@@ -250,6 +252,24 @@ def captured_update(model, params, x, y, loss_fn, make_tx, captured=False, jit=F
 
   updates = (jax.jit(update) if jit else update)(grads, tx.init(params), params, stats)
   return updates, grads, stats
+
+
+def nnx_captured_update(model, x, y, loss_fn, tx_of_layers):
+  """``(updates as a pure dict, stats)`` of one check step of an NNX model from a fresh state,
+  jitted: the transform ``tx_of_layers(layers)`` given the capture's layout (from
+  ``nnx.eval_shape`` of the capture)."""
+  capture = thor_optax.nnx.value_and_grad_with_stats(loss_fn)
+  _, shapes = nnx.eval_shape(lambda m: capture(m, x, y), model)
+  tx = tx_of_layers(thor_optax.captured_layers(shapes))
+
+  @nnx.jit
+  def run(model, x, y):
+    (_, grads), stats = capture(model, x, y)
+    params = nnx.state(model, nnx.Param)
+    return tx.update(grads, tx.init(params), params, curvature_stats=stats)[0], stats
+
+  updates, stats = run(model, x, y)
+  return nnx.to_pure_dict(updates), stats
 
 
 def assert_trees_close(got, want, atol=1e-13):

@@ -506,18 +506,8 @@ class NnxStack(nnx.Module):
 
 
 def _nnx_update(model, x, y):
-  capture = thor_nnx.value_and_grad_with_stats(squared_error)
-  _, shapes = nnx.eval_shape(lambda m: capture(m, x, y), model)
-  tx = thor_optax.kfac(0.1, LAM, layers=thor_optax.captured_layers(shapes))
-
-  @nnx.jit
-  def run(model, x, y):
-    (_, grads), stats = capture(model, x, y)
-    params = nnx.state(model, nnx.Param)
-    return tx.update(grads, tx.init(params), params, curvature_stats=stats)[0], stats
-
-  updates, stats = run(model, x, y)
-  return nnx.to_pure_dict(updates), stats
+  return reference.nnx_captured_update(model, x, y, squared_error,
+                                       lambda layers: thor_optax.kfac(0.1, LAM, layers=layers))
 
 
 def test_nnx_vmap_stack_of_gemma_norms_equals_the_nnx_rmsnorm_stack():

@@ -14,8 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import thor_optax
-from thor_optax import nnx as thor_nnx
 
 import reference
 from reference import F64, softmax_ce
@@ -117,18 +115,7 @@ class NnxNet(nnx.Module):
 
 
 def _nnx_update(model, x, y):
-  capture = thor_nnx.value_and_grad_with_stats(softmax_ce)
-  _, shapes = nnx.eval_shape(lambda m: capture(m, x, y), model)
-  tx = thor_optax.scale_by_kfac(0.05, ema_decay=None, layers=thor_optax.captured_layers(shapes))
-
-  @nnx.jit
-  def run(model, x, y):
-    (_, grads), stats = capture(model, x, y)
-    params = nnx.state(model, nnx.Param)
-    return tx.update(grads, tx.init(params), params, curvature_stats=stats)[0], stats
-
-  updates, stats = run(model, x, y)
-  return nnx.to_pure_dict(updates), stats
+  return reference.nnx_captured_update(model, x, y, softmax_ce, TRANSFORMS["kfac"])
 
 
 def test_nnx_table_of_its_own_equals_nnx_embed():

@@ -87,24 +87,14 @@ class ChannelAffineStats:
 
 
 def own_channels(module: Any) -> Optional[tuple[str, ...]]:
-  """The names of a bound linen module's or an NNX module's own parameters when its
-  ``__call__`` takes an input and they are one or two arrays of one shape, of rank 1 or more
-  (and no submodule holds parameters), and it is not one of Flax's classes (the ``'norm'``
-  kind's, or ``nn.WeightNorm`` / ``nn.SpectralNorm``, whose arrays scale another layer's
-  weight); ``None`` otherwise."""
-  if type(module).__module__.split(".")[0] == "flax":
+  """The names of the own parameters of a module a kind of any class may take
+  (:func:`traced.own_leaves`), of no Flax class (:func:`traced.flax_class`), when they are one
+  or two arrays of one shape, of rank 1 or more, and no submodule holds parameters; ``None``
+  otherwise."""
+  leaves = None if traced.flax_class(module) else traced.own_leaves(module)
+  if leaves is None:
     return None
-  if isinstance(module, nnx.Module):
-    if not traced.takes_an_input(type(module)):
-      return None
-  elif (not isinstance(module, nn.Module) or getattr(module, "scope", None) is None
-        or not traced.takes_an_input(type(module))):
-    return None
-  try:
-    leaves = traced.own_params(module)
-  except Exception:  # pylint: disable=broad-except  # a scope Flax invalidated
-    return None
-  shapes = {tuple(getattr(v, "shape", ())) for v in leaves.values()}
+  shapes = {tuple(v.shape) for v in leaves.values()}
   if not 1 <= len(leaves) <= 2 or len(shapes) != 1 or not next(iter(shapes)):
     return None
   if isinstance(module, nnx.Module) and traced.nested_params(module):  # last: it walks the graph

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-import flax.linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -68,18 +67,13 @@ class LookupStats:
 
 
 def own_table(module: Any) -> Optional[str]:
-  """The name of a module's own parameter when it is its only one and of rank 2 and the module
-  is no Flax class (:func:`traced.own_params`); ``None`` otherwise."""
-  if type(module).__module__.split(".")[0] == "flax" or not traced.takes_an_input(type(module)):
+  """The name of the own parameter of a module a kind of any class may take
+  (:func:`traced.own_leaves`), of no Flax class (:func:`traced.flax_class`), when it is its
+  only one, of rank 2, and no submodule holds parameters; ``None`` otherwise."""
+  leaves = None if traced.flax_class(module) else traced.own_leaves(module)
+  if leaves is None or len(leaves) != 1 or next(iter(leaves.values())).ndim != 2:
     return None
-  if not isinstance(module, nnx.Module) and (
-      not isinstance(module, nn.Module) or getattr(module, "scope", None) is None):
-    return None
-  try:
-    leaves = traced.own_params(module)
-  except Exception:  # pylint: disable=broad-except  # an unbound module, a scope Flax invalidated
-    return None
-  if len(leaves) != 1 or len(getattr(next(iter(leaves.values())), "shape", ())) != 2:
+  if isinstance(module, nnx.Module) and traced.nested_params(module):  # last: it walks the graph
     return None
   return next(iter(leaves))
 

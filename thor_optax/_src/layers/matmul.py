@@ -96,21 +96,12 @@ class MatmulStats:
 
 
 def own_weight(module: Any) -> Optional[tuple[str, Optional[str]]]:
-  """``(weight name, bias name or None)`` of a bound linen module or an NNX module whose
-  ``__call__`` takes an input and whose own parameters are one weight of rank 2 or more
-  and at most one bias of lower rank (at least 1) whose dimensions are among the weight's,
-  with no submodule parameters; ``None`` otherwise."""
-  if isinstance(module, nnx.Module):
-    if not traced.takes_an_input(type(module)):
-      return None
-  elif (not isinstance(module, nn.Module) or getattr(module, "scope", None) is None
-        or not traced.takes_an_input(type(module))):
-    return None
-  try:
-    leaves = traced.own_params(module)
-  except Exception:  # pylint: disable=broad-except  # a scope Flax invalidated
-    return None
-  if not all(hasattr(v, "shape") for v in leaves.values()):
+  """``(weight name, bias name or None)`` of a module a kind of any class may take
+  (:func:`traced.own_leaves`) whose own parameters are one weight of rank 2 or more and at most
+  one bias of lower rank (at least 1) whose dimensions are among the weight's, with no
+  submodule parameters; ``None`` otherwise."""
+  leaves = traced.own_leaves(module)
+  if leaves is None:
     return None
   names = sorted(leaves, key=lambda k: leaves[k].ndim, reverse=True)
   if not names or len(names) > 2 or leaves[names[0]].ndim < 2:

@@ -18,7 +18,7 @@ import contextlib
 import functools
 import inspect
 import threading
-from typing import Any
+from typing import Any, Optional
 
 import flax.linen as nn
 from flax import nnx
@@ -82,6 +82,29 @@ def takes_an_input(cls: type) -> bool:
   return any(p.kind in (inspect.Parameter.POSITIONAL_ONLY,
                         inspect.Parameter.POSITIONAL_OR_KEYWORD,
                         inspect.Parameter.VAR_POSITIONAL) for p in params)
+
+
+def own_leaves(module: Any) -> Optional[dict]:
+  """The own parameters of a module a kind of any class may take (:func:`own_params`): a bound
+  linen module or an NNX module whose ``__call__`` takes an input; ``None`` otherwise (a scope
+  Flax invalidated too). The kinds check the leaves' shapes, then NNX submodules' parameters
+  (:func:`nested_params`, last: it walks the graph)."""
+  if not takes_an_input(type(module)):
+    return None
+  if not isinstance(module, nnx.Module) and (
+      not isinstance(module, nn.Module) or getattr(module, "scope", None) is None):
+    return None
+  try:
+    leaves = own_params(module)
+  except Exception:  # pylint: disable=broad-except  # a scope Flax invalidated
+    return None
+  return leaves if all(hasattr(v, "shape") for v in leaves.values()) else None
+
+
+def flax_class(module: Any) -> bool:
+  """Whether ``module`` is of one of Flax's own classes (their layers are their own kinds', or
+  wrap another layer's weight: ``nn.WeightNorm``, ``nn.SpectralNorm``)."""
+  return type(module).__module__.split(".")[0] == "flax"
 
 
 def _abstract(v: Any) -> jax.ShapeDtypeStruct:
