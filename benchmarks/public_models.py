@@ -36,6 +36,7 @@ import sys
 import time
 import warnings
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -78,9 +79,10 @@ def preconditioned_layers(state: thor_optax.KroneckerState) -> set[str]:
 
 
 def scalars_by_layer(params) -> dict[str, int]:
-  """``{layer name: number of scalar parameters}`` (``'(root)'`` for root parameters)."""
+  """``{layer name: number of scalar parameters}`` (``'(root)'`` for root parameters; boxed,
+  logically partitioned parameters unboxed)."""
   out: dict[str, int] = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(nn.meta.unbox(params))[0]:
     name = "/".join(str(k.key) for k in path[:-1]) or "(root)"
     out[name] = out.get(name, 0) + int(np.prod(leaf.shape))
   return out

@@ -9,7 +9,9 @@ Flax models (a tied LM head applied with ``.apply({'params': {'kernel': embeddin
 as tuples, dicts and ``flax.struct.dataclass`` output classes, a BERT classifier whose attention
 is written by hand, a GPT-2 whose ``Conv1D`` layers hold their kernels ``(d_out, d_in)``),
 Gemma's linen code (an ``Einsum`` module given its equation at call time, ``layer(eqn, x)``,
-multi-query attention, a gated MLP, an RMS norm and a tied embedder of its own), BiT /
+multi-query attention, a gated MLP, an RMS norm and a tied embedder of its own), MaxText's
+decoder (an ``Embed``, ``RMSNorm`` and ``DenseGeneral`` of its own, logically partitioned, in an
+``nn.scan`` whose layer axis is named by ``metadata_params``), BiT /
 ViT-hybrid weight-standardized convolutions (``class StdConv(nn.Conv)`` overriding ``param``),
 ``nn.remat``-ed layers, and the Flax NNX "scan over layers" pattern (``nnx.vmap`` to create a
 stack of layers, ``nnx.scan`` to run it, ``nnx.remat`` around a layer).
@@ -559,6 +561,104 @@ class GemmaLM(nn.Module):
     return embedder.decode(GemmaRMSNorm(name="final_norm")(x))
 
 
+
+# ------------------------------ (15) MaxText-style LM: modules of its own, logically partitioned
+
+
+def _partitioned(init, names):
+  return nn.with_logical_partitioning(init, names)
+
+
+class MaxTextEmbed(nn.Module):
+  """MaxText's ``Embed``: a partitioned table ``embedding``, cast and indexed in ``__call__``
+  (the ``'lookup'`` kind); its ``attend`` is unused here (logits from their own dense layer,
+  MaxText's default)."""
+
+  vocab: int
+  width: int
+
+  def setup(self):
+    self.embedding = self.param("embedding", _partitioned(nn.initializers.normal(1.0),
+                                                          ("vocab", "embed")),
+                                (self.vocab, self.width))
+
+  def __call__(self, inputs):
+    return jnp.asarray(self.embedding, jnp.float32)[inputs]
+
+  def attend(self, query):
+    return jnp.dot(query, jnp.asarray(self.embedding, jnp.float32).T)
+
+
+class MaxTextRMSNorm(nn.Module):
+  """MaxText's ``RMSNorm``: ``y * scale``, a partitioned scale (the ``'channel_affine'``
+  kind)."""
+
+  @nn.compact
+  def __call__(self, x):
+    y = x * jax.lax.rsqrt(jnp.mean(jax.lax.square(x), -1, keepdims=True) + 1e-6)
+    scale = self.param("scale", _partitioned(nn.initializers.ones, ("norm",)), (x.shape[-1],))
+    return y * jnp.asarray(scale, jnp.float32)
+
+
+class MaxTextDenseGeneral(nn.Module):
+  """MaxText's ``DenseGeneral``: ``lax.dot_general`` of the input's last ``axes`` with a
+  partitioned kernel ``(in..., features...)``, no bias (the ``'matmul'`` kind)."""
+
+  features: tuple
+  axes: int = 1
+
+  @nn.compact
+  def __call__(self, x):
+    in_shape = x.shape[x.ndim - self.axes:]
+    kernel = self.param("kernel", _partitioned(nn.initializers.lecun_normal(),
+                                               ("embed",) * len(in_shape) + ("mlp",)
+                                               * len(self.features)),
+                        in_shape + tuple(self.features))
+    contract = tuple(range(x.ndim - self.axes, x.ndim))
+    return jax.lax.dot_general(x, kernel, ((contract, tuple(range(self.axes))), ((), ())))
+
+
+class MaxTextDecoderLayer(nn.Module):
+  """Pre-norm causal attention (``query``/``key``/``value`` ``(D, H, h)``, ``out`` ``(H, h,
+  D)``) and an MLP (``wi``, ``wo``); ``(carry, _) -> (carry, None)`` for ``nn.scan``."""
+
+  width: int = 16
+  heads: int = 2
+
+  @nn.compact
+  def __call__(self, x, _):
+    hd = self.width // self.heads
+    h = MaxTextRMSNorm(name="pre_self_attention_norm")(x)
+    q, k, v = (MaxTextDenseGeneral((self.heads, hd), name=n)(h)
+               for n in ("query", "key", "value"))
+    t = x.shape[1]
+    logits = jnp.einsum("btnh,bsnh->bnts", q * hd ** -0.5, k)
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
+    attn = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits), v)
+    x = x + MaxTextDenseGeneral((self.width,), axes=2, name="out")(attn)
+    h = MaxTextRMSNorm(name="post_self_attention_norm")(x)
+    h = nn.gelu(MaxTextDenseGeneral((2 * self.width,), name="wi")(h))
+    return x + MaxTextDenseGeneral((self.width,), name="wo")(h), None
+
+
+class MaxTextLM(nn.Module):
+  """MaxText's decoder, small: ``token_embedder``, two :class:`MaxTextDecoderLayer` scanned over
+  ``nn.remat`` with the layer axis named (``metadata_params``), ``decoder_norm`` and
+  ``logits_dense``."""
+
+  vocab: int = 16
+  width: int = 16
+
+  @nn.compact
+  def __call__(self, ids):
+    x = MaxTextEmbed(self.vocab, self.width, name="token_embedder")(ids)
+    stack = nn.scan(nn.remat(MaxTextDecoderLayer), variable_axes={"params": 0},
+                    split_rngs={"params": True}, length=2,
+                    metadata_params={nn.PARTITION_NAME: "layers"})
+    x, _ = stack(self.width, name="layers")(x, None)
+    x = MaxTextRMSNorm(name="decoder_norm")(x)
+    return MaxTextDenseGeneral((self.vocab,), name="logits_dense")(x)
+
 # ------------------------------------------------------------ (11) NNX: nnx.scan / nnx.remat
 
 
@@ -733,6 +833,11 @@ LINEN_MODELS: dict[str, Case] = {c.name: c for c in [
              "pre_attention_norm", "q_einsum", "kv_einsum", "attn_vec_einsum", "pre_ffw_norm",
              "gating", "linear")}),
          {"embedder": "not supported"}, captured_layout=True),
+    Case("maxtext_lm", MaxTextLM(), lambda: token_batch(14, 4, 8, 16), softmax_ce,
+         frozenset({"token_embedder", "decoder_norm", "logits_dense"}
+                   | {f"layers/{m}" for m in ("pre_self_attention_norm", "query", "key", "value",
+                                              "out", "post_self_attention_norm", "wi", "wo")}),
+         {}, captured_layout=True),
 ]}
 
 

@@ -20,6 +20,7 @@ README's steps.
 import functools
 import warnings
 
+import flax.linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -71,8 +72,9 @@ def init_params(model, x):
 
 
 def abstract_params(model, x):
-  """Shapes and dtypes of the model's parameters (traced, not compiled)."""
-  return jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x), x)["params"]
+  """Shapes and dtypes of the model's parameters (traced, not compiled; unboxed)."""
+  return nn.meta.unbox(jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x),
+                                      x)["params"])
 
 
 def kronecker_state(opt_state):
