@@ -7,6 +7,8 @@ after it), whose curvature the embedding tests check against dense references; f
 that are more than the lookup are listed with the reason.
 """
 
+from typing import Any
+
 import flax.linen as nn
 from flax import nnx
 import jax
@@ -44,19 +46,45 @@ class ScaledTake(nn.Module):
     return jnp.take(wte, tokens, axis=0) * jnp.sqrt(D).astype(F64)
 
 
-class Net(nn.Module):
-  """``embedding -> tanh -> Dense(K)`` per position (a per-token loss)."""
-  table: str = "reference"
-  scale: float = 1.0
+class SowsScaledRows(nn.Module):
+  """Returns the rows as they are, but sows them scaled (an intermediate the output does not
+  read: its constant is not the output's)."""
 
   @nn.compact
   def __call__(self, ids):
-    if self.table == "maxtext":
-      h = MaxTextEmbed(name="emb")(ids)
-    elif self.table == "take":
-      h = ScaledTake(name="emb")(ids)
+    rows = self.param("wte", nn.initializers.normal(1.0), (V, D), F64)[ids]
+    self.sow("intermediates", "scaled", rows * 10.0)
+    return rows
+
+
+class ClippedTake(nn.Module):
+  """``jnp.take(..., mode='clip')``: an id out of range reads the nearest row (no wrap of
+  negative ids)."""
+
+  @nn.compact
+  def __call__(self, ids):
+    return jnp.take(self.param("wte", nn.initializers.normal(1.0), (V, D), F64), ids, axis=0,
+                    mode="clip")
+
+
+TABLES = {"maxtext": MaxTextEmbed, "take": ScaledTake, "sows": SowsScaledRows,
+          "clip": ClippedTake}
+
+
+class Net(nn.Module):
+  """``embedding -> tanh -> Dense(K)`` per position (a per-token loss); the reference:
+  ``nn.Embed`` on ``ids_read(ids)`` times ``scale``."""
+  table: str = "reference"
+  scale: float = 1.0
+  ids_read: Any = None
+
+  @nn.compact
+  def __call__(self, ids):
+    if self.table in TABLES:
+      h = TABLES[self.table](name="emb")(ids)
     else:
-      h = nn.Embed(V, D, name="emb", param_dtype=F64)(ids) * self.scale
+      rows = self.ids_read(ids) if self.ids_read else ids
+      h = nn.Embed(V, D, name="emb", param_dtype=F64)(rows) * self.scale
     return nn.Dense(K, name="head", param_dtype=F64)(jnp.tanh(h))
 
 
@@ -69,21 +97,35 @@ def _as_embed(tree, leaf):
   return {**tree, "emb": {"embedding": tree["emb"][leaf]}}
 
 
+def _clipped(ids):
+  return jnp.clip(ids, 0, V - 1)
+
+
 @pytest.mark.parametrize("transform", sorted(TRANSFORMS))
-@pytest.mark.parametrize("table,leaf,scale,stats_type", [
-    ("maxtext", "embedding", 1.0, "EmbedStats"),
-    ("take", "wte", float(np.sqrt(D)), "LookupStats")], ids=["maxtext", "scaled_take"])
-def test_tables_of_their_own_equal_nn_embed(table, leaf, scale, stats_type, transform):
+@pytest.mark.parametrize("table,leaf,scale,ids_read,stats_type", [
+    ("maxtext", "embedding", 1.0, None, "EmbedStats"),
+    ("take", "wte", float(np.sqrt(D)), None, "LookupStats"),
+    ("sows", "wte", 1.0, None, "LookupStats"),
+    ("clip", "wte", 1.0, _clipped, "LookupStats")],
+    ids=["maxtext", "scaled_take", "sows_scaled_rows", "clipped_take"])
+def test_tables_of_their_own_equal_nn_embed(table, leaf, scale, ids_read, stats_type,
+                                             transform):
   """The update of the table equals ``nn.Embed``'s with the same values (the constant after it),
-  from the capture's layout and, for a table named ``embedding``, from shapes alone."""
+  from the capture's layout and, for a table named ``embedding``, from shapes alone; ``A``
+  counts the rows read (a clipping gather's negative ids read row 0: before, counted at the
+  wrapped row), and only the output's constant scales the cotangents (before, a sown scaled copy
+  scaled them too)."""
   x, y = _batch(0)
+  if table == "clip":
+    x = x.at[0, :3].set(jnp.asarray([-1, -3, V + 2]))
   params = reference.init_params(Net(table), x)
   got, grads, stats = reference.captured_update(Net(table), params, x, y, softmax_ce,
                                                 TRANSFORMS[transform], captured=True)
   assert stats.unhandled == ()
   assert type(stats.layers["emb"]).__name__ == stats_type
   want, _, want_stats = reference.captured_update(
-      Net(scale=scale), _as_embed(params, leaf), x, y, softmax_ce, TRANSFORMS[transform])
+      Net(scale=scale, ids_read=ids_read), _as_embed(params, leaf), x, y, softmax_ce,
+      TRANSFORMS[transform])
   reference.assert_trees_close(stats.layers["emb"].cotangents,
                                want_stats.layers["emb"].cotangents)
   reference.assert_trees_close(_as_embed(got, leaf), want)
@@ -177,9 +219,27 @@ class Offset(nn.Module):
     return table[ids + 2]  # of A would be the wrong rows'
 
 
+class Narrowed(nn.Module):
+
+  @nn.compact
+  def __call__(self, ids):  # uint8 ids of a 300-row table: row id % 256 is read
+    table = self.param("embedding", nn.initializers.normal(1.0), (300, D), F64)
+    return table[ids.astype(jnp.uint8)]
+
+
+class Transposed(nn.Module):
+
+  @nn.compact
+  def __call__(self, ids):  # (N, 1) ids looked up as (1, N): rows in another layout (before:
+    table = self.param("embedding", nn.initializers.normal(1.0), (V, D), F64)  # captured, and
+    return table[ids.reshape(ids.shape[::-1])]  # the update raised; the model reshapes back)
+
+
 NOT_A_LOOKUP = {Masked: "multiplies the rows by an array that is not a constant",
                 Columns: "not a lookup of rows of it by the ids",
-                Offset: "looks rows up by a function of the ids (add)"}
+                Offset: "looks rows up by a function of the ids (add)",
+                Narrowed: "looks rows up by a function of the ids (convert_element_type)",
+                Transposed: "not a lookup of rows of it by the ids"}
 
 
 @pytest.mark.parametrize("cls", list(NOT_A_LOOKUP), ids=lambda c: c.__name__)
@@ -188,9 +248,12 @@ def test_a_call_that_is_more_than_a_lookup_is_listed(cls):
   class Model(nn.Module):
     @nn.compact
     def __call__(self, ids):
-      return nn.Dense(K, name="head", param_dtype=F64)(jnp.tanh(cls(name="emb")(ids)))
+      h = cls(name="emb")(ids).reshape(ids.shape + (D,))
+      return nn.Dense(K, name="head", param_dtype=F64)(jnp.tanh(h))
 
   x, y = _batch(2)
+  if cls is Transposed:
+    x, y = x[:, :1], y[:, :1]
   params = reference.init_params(Model(), x)
   (_, grads), stats = reference.capture(Model(), softmax_ce)(params, x, y)
   assert set(stats.layers) == {"head"}

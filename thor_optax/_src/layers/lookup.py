@@ -46,7 +46,8 @@ class LookupStats:
   own not named ``embedding``.
 
   Attributes:
-    inputs: integer token ids ``(N, ...)``.
+    inputs: integer token ids ``(N, ...)``: the rows the lookup read (:func:`rows_read`;
+      ``vocab`` for an id it read none for).
     cotangents: per-example cotangents of the looked-up rows ``(S, N, ..., features)`` (the
       output's, times the call's constant).
     attend_inputs, attend_cotangents: always ``None`` (a tied use is listed); kept so that the
@@ -101,94 +102,112 @@ def _evaluate(jaxpr: Any, values: dict) -> None:
       values[v] = o
 
 
-def _is_row_gather(eqn: Any, ids_ndim: int) -> bool:
-  """Whether a ``gather`` takes whole rows of its rank-2 operand by one index per output row:
-  ``table[ids]``, ``jnp.take(table, ids, axis=0)``."""
+def _is_row_gather(eqn: Any, ids_shape: tuple) -> bool:
+  """Whether a ``gather`` takes whole rows of its rank-2 operand, one per id, in the ids'
+  layout (output ``ids.shape + (features,)``): ``table[ids]``, ``jnp.take(table, ids,
+  axis=0)``."""
   dims = eqn.params["dimension_numbers"]
   operand = eqn.invars[0].aval.shape
   return (tuple(dims.collapsed_slice_dims) == (0,) and tuple(dims.start_index_map) == (0,)
           and not tuple(dims.operand_batching_dims)
           and tuple(eqn.params["slice_sizes"]) == (1, operand[1])
-          and tuple(dims.offset_dims) == (ids_ndim,))
+          and tuple(dims.offset_dims) == (len(ids_shape),)
+          and tuple(eqn.outvars[0].aval.shape) == tuple(ids_shape) + (operand[1],))
+
+
+def _value_preserving(before: Any, after: Any, vocab: int) -> bool:
+  """Whether an integer cast ``before -> after`` keeps every value of ``before`` in ``[-vocab,
+  vocab]``, those of ids in range or wrapped (indexing's ``int64 -> int32``; not ``-> uint8``
+  for a table of 300 rows, nor a sign lost)."""
+  a, b = jnp.iinfo(before), jnp.iinfo(after)
+  return b.min <= max(a.min, -vocab) and b.max >= min(a.max, vocab)
 
 
 def _ids_step(eqn: Any, kinds: list, vocab: int) -> Optional[str]:
-  """The tag of an equation's output on the ids (``'ids'``: the ids themselves, up to integer
-  casts, axes of size 1 and the wrap of negative ids ``select_n(ids < 0, ids, ids + vocab)``
-  that indexing adds; ``'neg'``, ``'wrapped'``: that wrap's two parts), or ``None`` for any
-  other function of them."""
-  prim, ins = eqn.primitive.name, eqn.invars
+  """The tag of an equation's output on the ids: ``'ids'``, the ids themselves up to casts that
+  keep their values and axes of size 1; ``'ids~'``, them with negative ids wrapped,
+  ``select_n(ids < 0, ids, ids + vocab)`` as indexing does (``'neg'``, ``'wrapped'``: its two
+  parts); ``None`` for any other function of them."""
+  prim, ins, out = eqn.primitive.name, eqn.invars, eqn.outvars[0]
   literal = [float(v.val) if isinstance(v, jax.extend.core.Literal) and np.ndim(v.val) == 0
              else None for v in ins]
-  if prim in traced.CASTS and kinds == ["ids"] and jnp.issubdtype(eqn.outvars[0].aval.dtype,
-                                                                    jnp.integer):
-    return "ids"
-  if prim in ("broadcast_in_dim", "reshape") and kinds == ["ids"] and [
-      n for n in ins[0].aval.shape if n != 1] == [n for n in eqn.outvars[0].aval.shape if n != 1]:
-    return "ids"
+  if prim in traced.CASTS and kinds[0] in ("ids", "ids~") and len(kinds) == 1 and \
+      jnp.issubdtype(out.aval.dtype, jnp.integer) and _value_preserving(
+          ins[0].aval.dtype, out.aval.dtype, vocab):
+    return kinds[0]
+  if prim in ("broadcast_in_dim", "reshape") and kinds[0] in ("ids", "ids~") and len(
+      kinds) == 1 and [n for n in ins[0].aval.shape if n != 1] == [
+          n for n in out.aval.shape if n != 1]:
+    return kinds[0]
   if prim == "lt" and kinds == ["ids", None] and literal[1] == 0:
     return "neg"
   if prim == "add" and sorted(map(str, kinds)) == ["None", "ids"] and vocab in literal:
     return "wrapped"
   if prim == "select_n" and kinds == ["neg", "ids", "wrapped"]:
-    return "ids"
+    return "ids~"
   return None
 
 
-def _walk(jaxpr: Any, tags: dict, ids_ndim: int, vocab: int) -> tuple[float, str]:
+_MODES = {"PROMISE_IN_BOUNDS": "clip", "CLIP": "clip", "FILL_OR_DROP": "drop"}
+
+
+def _walk(jaxpr: Any, tags: dict, ids_shape: tuple, vocab: int) -> str:
   """Tags the values of ``jaxpr`` derived from the table (``'table'``: itself, up to casts;
-  ``'rows'``: its rows looked up by the ids, times constants) and from the ids
-  (:func:`_ids_step`); returns ``(the constants' product, why)`` with ``why`` the other
-  operation on them (``''``: none). Bodies of calls (``jnp.take``'s ``jit``) are walked."""
-  scale = 1.0
+  ``('rows', c, wrapped, mode)``: its rows looked up by the ids, times the constant ``c``, the
+  ids' negative ones ``wrapped`` or not, those out of range clipped or dropped, ``mode``) and
+  from the ids (:func:`_ids_step`); returns the other operation on them (``''``: none). Bodies
+  of calls (``jnp.take``'s ``jit``) are walked."""
   for eqn in jaxpr.eqns:
     kinds = [tags.get(v) if isinstance(v, jax.extend.core.Var) else None for v in eqn.invars]
     if not any(kinds):
       continue
     prim, out = eqn.primitive.name, eqn.outvars
+    rows = [k for k in kinds if isinstance(k, tuple)]
     if prim in traced.CALLS and "jaxpr" in eqn.params:
       inner = eqn.params["jaxpr"]
       inner = getattr(inner, "jaxpr", inner)
       sub = {v: k for v, k in zip(inner.invars, kinds) if k}
-      c, why = _walk(inner, sub, ids_ndim, vocab)
+      why = _walk(inner, sub, ids_shape, vocab)
       if why:
-        return scale, why
-      scale *= c
+        return why
       for v, w in zip(out, inner.outvars):
         if isinstance(w, jax.extend.core.Var) and w in sub:
           tags[v] = sub[w]
-    elif "table" not in kinds and "rows" not in kinds:
+    elif "table" not in kinds and not rows:
       other = next((k for k in kinds if str(k).startswith("f(ids)")), f"f(ids) {prim}")
       for v in out:  # another function of the ids (a mask, shifted ids), named by its first op
         tags[v] = _ids_step(eqn, kinds, vocab) or other
     elif prim in traced.CASTS and jnp.issubdtype(out[0].aval.dtype, jnp.floating) \
         and jnp.dtype(out[0].aval.dtype).itemsize >= 2:
       tags[out[0]] = kinds[0]
-    elif prim == "gather" and kinds == ["table", "ids"] and _is_row_gather(eqn, ids_ndim):
-      tags[out[0]] = "rows"
+    elif prim == "gather" and kinds[0] == "table" and kinds[1] in ("ids", "ids~") \
+        and _is_row_gather(eqn, ids_shape) and eqn.params["mode"].name in _MODES:
+      tags[out[0]] = ("rows", 1.0, kinds[1] == "ids~", _MODES[eqn.params["mode"].name])
     elif prim == "gather" and kinds[0] == "table" and str(kinds[1]).startswith("f(ids)"):
-      return scale, f"it looks rows up by a function of the ids ({kinds[1][7:]})"
-    elif prim in ("mul", "div") and "rows" in kinds and len(kinds) == 2 and (
-        prim == "mul" or kinds[0] == "rows") and kinds[0] != kinds[1]:
-      i = 1 - kinds.index("rows")
+      return f"it looks rows up by a function of the ids ({kinds[1][7:]})"
+    elif prim in ("mul", "div") and len(rows) == 1 and len(kinds) == 2 and (
+        prim == "mul" or kinds[0] == rows[0]):
+      i = 1 - kinds.index(rows[0])
       other = eqn.invars[i]
       c = None if kinds[i] is not None else (
           float(other.val) if isinstance(other, jax.extend.core.Literal)
           and np.ndim(other.val) == 0 else _constant(jaxpr, other))
       if c is None:
-        return scale, f"it multiplies the rows by an array that is not a constant ({prim})"
-      scale = scale * c if prim == "mul" else scale / c
-      tags[out[0]] = "rows"
+        return f"it multiplies the rows by an array that is not a constant ({prim})"
+      tag, scale = rows[0], rows[0][1]
+      tags[out[0]] = (tag[0], scale * c if prim == "mul" else scale / c) + tag[2:]
     else:
-      named = sorted({k if k in ("table", "rows") else "ids" for k in kinds if k})
-      return scale, f"it applies {prim} to the {' and '.join(named)}"
-  return scale, ""
+      named = sorted({k if k == "table" else "rows" if isinstance(k, tuple) else "ids"
+                      for k in kinds if k})
+      return f"it applies {prim} to the {' and '.join(named)}"
+  return ""
 
 
 def layout(module: Any, args: tuple, kwargs: dict) -> tuple[Optional[dict], str]:
   """``(meta, '')`` when the call of ``module`` (matched by :func:`own_table`) on integer ids is
   ``c * table[ids]`` (module docstring), else ``(None, reason)``; ``meta``: ``table`` (the
-  leaf's name) and ``scale`` (``c``)."""
+  leaf's name), ``scale`` (``c``), and how ids map to rows: ``wrapped``, ``mode``, ``vocab``
+  (:func:`rows_read`)."""
   name = own_table(module)
   ids = base.primary_input(args, kwargs)
   what = f"{type(module).__name__} holds a table {name!r}"
@@ -198,18 +217,31 @@ def layout(module: Any, args: tuple, kwargs: dict) -> tuple[Optional[dict], str]
     return None, (f"{what} but its call could not be traced alone on its input "
                   f"({type(e).__name__}: {str(e)[:120]})")
   jaxpr = closed.jaxpr
+  vocab = jaxpr.invars[0].aval.shape[0]
   tags = {jaxpr.invars[0]: "table", jaxpr.invars[1]: "ids"}
   try:
-    scale, why = _walk(jaxpr, tags, jnp.ndim(ids), jaxpr.invars[0].aval.shape[0])
+    why = _walk(jaxpr, tags, jnp.shape(ids), vocab)
   except Exception as e:  # pylint: disable=broad-except  # an unforeseen form lists the module
-    scale, why = 1.0, f"its jaxpr could not be read ({type(e).__name__}: {str(e)[:120]})"
-  if not why and (not isinstance(shape, jax.ShapeDtypeStruct)
-                  or tags.get(jaxpr.outvars[0]) != "rows"):
+    why = f"its jaxpr could not be read ({type(e).__name__}: {str(e)[:120]})"
+  out = tags.get(jaxpr.outvars[0]) if isinstance(jaxpr.outvars[0], jax.extend.core.Var) \
+      else None
+  if not why and (not isinstance(shape, jax.ShapeDtypeStruct) or not isinstance(out, tuple)):
     why = "its output is not one array of rows of the table"
   if why:
     return None, (f"{what}, but its call is not a lookup of rows of it by the ids: {why}; "
                   "register a layer kind for it (thor_optax.register_layer_kind)")
-  return dict(table=name, scale=scale), ""
+  _, scale, wrapped, mode = out
+  return dict(table=name, scale=scale, wrapped=wrapped, mode=mode, vocab=vocab), ""
+
+
+def rows_read(ids: jax.Array, wrapped: bool, mode: str, vocab: int) -> jax.Array:
+  """The rows a lookup reads for ``ids``: negative ids wrapped (``ids + vocab``) when the call
+  wraps them, then those out of ``[0, vocab)`` clipped (``mode='clip'``: XLA's gather clamps)
+  or set to ``vocab`` (``'drop'``: a filling gather reads none, and ``A`` counts none)."""
+  rows = jnp.where(ids < 0, ids + vocab, ids) if wrapped else ids
+  if mode == "clip":
+    return jnp.clip(rows, 0, vocab - 1)
+  return jnp.where((rows < 0) | (rows >= vocab), vocab, rows)
 
 
 class Lookup(embed.Embed):
@@ -266,13 +298,15 @@ class Lookup(embed.Embed):
     meta, why = layout(module, args, kwargs)
     return base.Plan(meta, why)
 
-  def make_stats(self, inputs, cotangents, *, table, scale) -> Any:
-    """The ids and the cotangents times ``c``: ``EmbedStats`` for a table named
-    ``embedding``, else :class:`LookupStats` naming it."""
+  def make_stats(self, inputs, cotangents, *, table, scale, wrapped, mode, vocab) -> Any:
+    """The rows read (:func:`rows_read` of the ids, so that ``A`` counts them) and the
+    cotangents times ``c``: ``EmbedStats`` for a table named ``embedding``, else
+    :class:`LookupStats` naming it."""
+    ids = rows_read(inputs, wrapped, mode, vocab)
     g = cotangents * jnp.asarray(scale, cotangents.dtype)
     if table == "embedding":
-      return embed.EmbedStats(inputs=inputs, cotangents=g)
-    return LookupStats(inputs=inputs, cotangents=g, table=table)
+      return embed.EmbedStats(inputs=ids, cotangents=g)
+    return LookupStats(inputs=ids, cotangents=g, table=table)
 
   def per_loss_term(self, stats, num_terms, weight_sharing):
     """``'embed'``'s, keeping the statistics' type and table name."""
