@@ -545,8 +545,8 @@ def test_output_cotangents_checks_its_arguments():
 class SharedTables(nn.Module):
   """Layers on inputs that no example changes: a T5-style relative-position bias (an ``Embed`` of
   a ``(T, T)`` bucket table, broadcast over the batch after the layer, or before it), learned
-  Perceiver latents projected by a ``Dense``; and a ``Dense`` on noise drawn per example from
-  the call's rngs."""
+  Perceiver latents projected by a ``Dense``, position ids ``jnp.arange(T)`` into an ``Embed``;
+  and a ``Dense`` on noise drawn per example from the call's rngs."""
   broadcast_first: bool
 
   @nn.compact
@@ -563,8 +563,9 @@ class SharedTables(nn.Module):
     h = jnp.einsum("ld,ntd->nl", q, x)
     noise = jax.random.normal(self.make_rng("noise"), (n, 4), F64)
     h = h + nn.Dense(6, param_dtype=F64, name="noise_proj")(noise)
-    return nn.Dense(3, param_dtype=F64, name="head")(
-        jnp.concatenate([h, bias.reshape(n, -1)], axis=-1))
+    positions = nn.Embed(t, 2, param_dtype=F64, name="positions")(jnp.arange(t))  # (T,) ids
+    return nn.Dense(3, param_dtype=F64, name="head")(jnp.concatenate(
+        [h, bias.reshape(n, -1), jnp.broadcast_to(positions.reshape(-1), (n, 2 * t))], axis=-1))
 
 
 @pytest.mark.parametrize("broadcast_first", [False, True])
@@ -582,6 +583,9 @@ def test_layers_on_inputs_shared_by_every_example_are_listed(broadcast_first):
   listed = dict(note.split(": ", 1) for note in stats.unhandled)
   assert listed["latent_proj"].startswith("applied to an input of shape (6, 3) that depends "
                                           "on no example")
+  # Position ids of one axis into an Embed (before: captured with the positions for examples).
+  assert listed["positions"].startswith("applied to an input of shape (5,) that depends on "
+                                        "no example")
   assert ("bias" in listed) != broadcast_first
   assert {"noise_proj", "head"} <= set(stats.layers)
   if broadcast_first:

@@ -975,12 +975,13 @@ def batch_size(inputs: Any) -> Optional[int]:
 
 def not_per_example(jaxpr: Any, outputs: Any, probes: Mapping[tuple[str, ...], Any],
                     given: int, batch: Optional[int]) -> dict[tuple[str, ...], str]:
-  """``{module path: reason}`` of the layers whose input of rank >= 2 depends on none of the
+  """``{module path: reason}`` of the layers whose input of rank >= 1 depends on none of the
   pass's inputs after its first ``given`` (the parameters and model state): not on the
   examples, nor on the call's keywords (rngs), and whose leading axis is not the ``batch`` of
   the model's input. Such an input (a relative-position bucket table ``(T, T)``, learned
-  Perceiver latents ``(L, d)``) is the same for every example and broadcast after the layer, so
-  its rows are not examples and its output cotangents arrive summed over the batch: K-FAC's
+  Perceiver latents ``(L, d)``, position ids ``jnp.arange(T)``) is the same for every example
+  and broadcast after the layer, so its rows are not examples and its output cotangents arrive
+  summed over the batch: K-FAC's
   factors cannot be formed from them (the capture would take the table's first axis for the
   examples). One broadcast to ``(N, ...)`` before the layer has a row block per example, whose
   cotangents are that example's: taken. (A table whose leading axis happens to equal ``N`` is
@@ -991,15 +992,16 @@ def not_per_example(jaxpr: Any, outputs: Any, probes: Mapping[tuple[str, ...], A
   found = {}
   for path, probe in probes.items():
     i = index.get(id(probe))
-    if i is None or len(probe.shape) < 2 or probe.shape[0] == batch:
+    if i is None or not probe.shape or probe.shape[0] == batch:
       continue
     used = _used_inputs(jaxpr, [j == i for j in range(len(jaxpr.outvars))])
     if used is not None and not any(used[given:]):
       found[path] = (
           f"applied to an input of shape {tuple(probe.shape)} that depends on no example (a "
-          "relative-position bucket table, learned latents broadcast over the batch after the "
-          "layer): its rows are not examples and its output cotangents arrive summed over the "
-          "batch, so its gradients pass through unpreconditioned")
+          "relative-position bucket table, learned latents, position ids broadcast over the "
+          "batch after the layer): its rows are not examples and its output cotangents arrive "
+          "summed over the batch, so its gradients pass through unpreconditioned; broadcast "
+          "the input to the batch before the layer to have it captured")
   return found
 
 
