@@ -232,12 +232,9 @@ def layout(module: Any, args: tuple, kwargs: dict) -> tuple[Optional[dict], str]
   ``ndim`` (the leaves' rank). Called during the call, with the module live."""
   names = list(own_channels(module))
   what = f"{type(module).__name__} holds the parameter{'s' * (len(names) > 1)} {names}"
-  try:
-    closed, shape = traced.trace_alone(module, names, args, kwargs)
-  except Exception as e:  # pylint: disable=broad-except  # any failure lists the module
-    return None, (f"{what} but its call could not be traced alone on its input "
-                  f"({type(e).__name__}: {str(e)[:120]}); register a layer kind for it "
-                  "(thor_optax.register_layer_kind)")
+  closed, shape, why = traced.trace_or_reason(module, names, args, kwargs)
+  if why:
+    return None, f"{what} but {why}; register a layer kind for it (thor_optax.register_layer_kind)"
   jaxpr = closed.jaxpr
   tags = {v: _Tag("p", tuple(i for i, n in enumerate(v.aval.shape) if n != 1), leaf=leaf)
           for v, leaf in zip(jaxpr.invars, names)}

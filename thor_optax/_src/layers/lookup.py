@@ -211,11 +211,9 @@ def layout(module: Any, args: tuple, kwargs: dict) -> tuple[Optional[dict], str]
   name = own_table(module)
   ids = base.primary_input(args, kwargs)
   what = f"{type(module).__name__} holds a table {name!r}"
-  try:
-    closed, shape = traced.trace_alone(module, [name], args, kwargs)
-  except Exception as e:  # pylint: disable=broad-except  # any failure lists the module
-    return None, (f"{what} but its call could not be traced alone on its input "
-                  f"({type(e).__name__}: {str(e)[:120]})")
+  closed, shape, why = traced.trace_or_reason(module, [name], args, kwargs)
+  if why:
+    return None, f"{what} but {why}; register a layer kind for it (thor_optax.register_layer_kind)"
   jaxpr = closed.jaxpr
   vocab = jaxpr.invars[0].aval.shape[0]
   tags = {jaxpr.invars[0]: "table", jaxpr.invars[1]: "ids"}

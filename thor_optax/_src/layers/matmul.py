@@ -139,12 +139,10 @@ def layout(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Optional[dict]
   weight, bias = own_weight(module)
   names = sorted(params)
   x = base.primary_input(args, kwargs)
-  try:
-    closed, shape = traced.trace_alone(module, names, args, kwargs)
-  except Exception as e:  # pylint: disable=broad-except  # any failure lists the module
-    return None, (f"{type(module).__name__} holds a weight but its call could not be traced "
-                  f"alone on its input ({type(e).__name__}: {str(e)[:120]}); register a layer "
-                  "kind for it (thor_optax.register_layer_kind)")
+  closed, shape, why = traced.trace_or_reason(module, names, args, kwargs)
+  if why:
+    return None, (f"{type(module).__name__} holds a weight but {why}; register a layer kind "
+                  "for it (thor_optax.register_layer_kind)")
   jaxpr = closed.jaxpr
   whole = lambda v: tuple((j, 0, 1) for j in range(v.aval.ndim))  # noqa: E731
   tags = {v: ("kernel", whole(v)) if n == weight else ("bias", whole(v), v.aval.ndim)

@@ -168,3 +168,14 @@ def trace_alone(module: Any, names: list, args: tuple, kwargs: dict) -> tuple[An
   with _alone():
     return (_traced_nnx if isinstance(module, nnx.Module) else _traced_linen)(
         module, names, args, kwargs)
+
+
+def trace_or_reason(module: Any, names: list, args: tuple, kwargs: dict) -> tuple[Any, Any, str]:
+  """``(closed jaxpr, output shape, '')`` of :func:`trace_alone`, or ``(None, None, why)`` when
+  the call cannot be traced so (any exception: the kinds list the module with ``why``)."""
+  try:
+    closed, shape = trace_alone(module, names, args, kwargs)
+  except Exception as e:  # pylint: disable=broad-except  # any failure lists the module
+    return None, None, (f"its call could not be traced alone on its input ({type(e).__name__}: "
+                        f"{str(e)[:120]})")
+  return closed, shape, ""
