@@ -982,10 +982,11 @@ def not_per_example(jaxpr: Any, outputs: Any, probes: Mapping[tuple[str, ...], A
   Perceiver latents ``(L, d)``, position ids ``jnp.arange(T)``) is the same for every example
   and broadcast after the layer, so its rows are not examples and its output cotangents arrive
   summed over the batch: K-FAC's factors cannot be formed from them (the capture would take the
-  table's first axis for the examples). One broadcast to ``(N, ...)`` before the layer has a row block per example, whose
-  cotangents are that example's: taken. (A table whose leading axis happens to equal ``N`` is
-  taken for one too.) Found by dead-code elimination of the discovery pass's ``jaxpr``, whose
-  outputs are ``outputs`` flattened and hold each layer's recorded input ``probes[path]``.
+  table's first axis for the examples). One broadcast to ``(N, ...)`` before the layer has a
+  row block per example, whose cotangents are that example's: taken. (A table whose leading
+  axis happens to equal ``N`` is taken for one too.) Found by dead-code elimination of the
+  discovery pass's ``jaxpr``, whose outputs are ``outputs`` flattened and hold each layer's
+  recorded input ``probes[path]``.
   """
   index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(outputs))}
   found = {}
