@@ -49,7 +49,6 @@ import flax.linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from thor_optax._src.layers import base
 from thor_optax._src.layers import norm
@@ -148,13 +147,6 @@ def _moved(eqn: Any, axes: tuple[int, ...]) -> Optional[tuple[int, ...]]:
   return tuple(new) if ok else None
 
 
-def _literal(v: Any) -> Optional[float]:
-  """The value of a scalar literal operand, else ``None``."""
-  if isinstance(v, jax.extend.core.Literal) and np.ndim(v.val) == 0:
-    return float(v.val)
-  return None
-
-
 def _step(eqn: Any, ins: list) -> tuple[Optional[_Tag], str]:
   """``(tag, '')`` of the output of one equation on tagged values, else ``(None, why)``."""
   name, (a, b) = eqn.primitive.name, (ins + [None])[:2]
@@ -166,12 +158,12 @@ def _step(eqn: Any, ins: list) -> tuple[Optional[_Tag], str]:
       return None, f"it reshapes {what} otherwise than by adding or dropping axes of size 1"
     return a._replace(axes=axes), ""
   if name in ("add", "sub") and len(ins) == 2 and a and a.form == "p" and b is None \
-      and _literal(eqn.invars[1]) is not None:
+      and traced.scalar_literal(eqn.invars[1]) is not None:
     sign = 1.0 if name == "add" else -1.0
-    return a._replace(shift=a.shift + sign * _literal(eqn.invars[1])), ""
+    return a._replace(shift=a.shift + sign * traced.scalar_literal(eqn.invars[1])), ""
   if name == "add" and len(ins) == 2 and b and b.form == "p" and a is None \
-      and _literal(eqn.invars[0]) is not None:
-    return b._replace(shift=b.shift + _literal(eqn.invars[0])), ""
+      and traced.scalar_literal(eqn.invars[0]) is not None:
+    return b._replace(shift=b.shift + traced.scalar_literal(eqn.invars[0])), ""
   if name == "add" and len(ins) == 2 and (a is None or b is None) and first.form == "p":
     return _Tag("fb", first.axes, bias=(first.leaf, first.shift)), ""
   if name == "add" and a and b and {a.form, b.form} == {"ys", "p"}:
@@ -205,16 +197,10 @@ def _walk(jaxpr: Any, tags: dict) -> str:
         return f"it casts {', '.join(map(repr, _leaves(ins[0])))} to {dtype}"
       tags[out[0]] = ins[0]
       continue
-    if name in traced.CALLS and "jaxpr" in eqn.params:
-      inner = eqn.params["jaxpr"]
-      inner = getattr(inner, "jaxpr", inner)
-      sub = {v: t for v, t in zip(inner.invars, ins) if t}
-      why = _walk(inner, sub)
+    if traced.is_call(eqn):
+      why = traced.walk_call(eqn, ins, tags, _walk)
       if why:
         return why
-      for v, w in zip(out, inner.outvars):
-        if isinstance(w, jax.extend.core.Var) and w in sub:
-          tags[v] = sub[w]
       continue
     tag, why = _step(eqn, ins)
     if why:

@@ -80,8 +80,10 @@ def own_table(module: Any) -> Optional[str]:
 
 
 def _constant(jaxpr: Any, var: Any) -> Optional[float]:
-  """The value of a scalar ``var`` of ``jaxpr`` computed from literals alone (``jnp.sqrt(d)``),
-  else ``None``."""
+  """The value of a scalar ``var`` of ``jaxpr`` that is a literal or computed from literals alone
+  (``jnp.sqrt(d)``), else ``None``."""
+  if not isinstance(var, jax.extend.core.Var):
+    return traced.scalar_literal(var)
   values: dict = {}
   with jax.ensure_compile_time_eval():  # concrete values, also inside the capture's trace
     _evaluate(jaxpr, values)
@@ -129,8 +131,7 @@ def _ids_step(eqn: Any, kinds: list, vocab: int) -> Optional[str]:
   ``select_n(ids < 0, ids, ids + vocab)`` as indexing does (``'neg'``, ``'wrapped'``: its two
   parts); ``None`` for any other function of them."""
   prim, ins, out = eqn.primitive.name, eqn.invars, eqn.outvars[0]
-  literal = [float(v.val) if isinstance(v, jax.extend.core.Literal) and np.ndim(v.val) == 0
-             else None for v in ins]
+  literal = [traced.scalar_literal(v) for v in ins]
   if prim in traced.CASTS and kinds[0] in ("ids", "ids~") and len(kinds) == 1 and \
       jnp.issubdtype(out.aval.dtype, jnp.integer) and _value_preserving(
           ins[0].aval.dtype, out.aval.dtype, vocab):
@@ -163,16 +164,11 @@ def _walk(jaxpr: Any, tags: dict, ids_shape: tuple, vocab: int) -> str:
       continue
     prim, out = eqn.primitive.name, eqn.outvars
     rows = [k for k in kinds if isinstance(k, tuple)]
-    if prim in traced.CALLS and "jaxpr" in eqn.params:
-      inner = eqn.params["jaxpr"]
-      inner = getattr(inner, "jaxpr", inner)
-      sub = {v: k for v, k in zip(inner.invars, kinds) if k}
-      why = _walk(inner, sub, ids_shape, vocab)
+    if traced.is_call(eqn):
+      why = traced.walk_call(eqn, kinds, tags,
+                             lambda body, sub: _walk(body, sub, ids_shape, vocab))
       if why:
         return why
-      for v, w in zip(out, inner.outvars):
-        if isinstance(w, jax.extend.core.Var) and w in sub:
-          tags[v] = sub[w]
     elif "table" not in kinds and not rows:
       other = next((k for k in kinds if str(k).startswith("f(ids)")), f"f(ids) {prim}")
       for v in out:  # another function of the ids (a mask, shifted ids), named by its first op
@@ -189,9 +185,7 @@ def _walk(jaxpr: Any, tags: dict, ids_shape: tuple, vocab: int) -> str:
         prim == "mul" or kinds[0] == rows[0]):
       i = 1 - kinds.index(rows[0])
       other = eqn.invars[i]
-      c = None if kinds[i] is not None else (
-          float(other.val) if isinstance(other, jax.extend.core.Literal)
-          and np.ndim(other.val) == 0 else _constant(jaxpr, other))
+      c = None if kinds[i] is not None else _constant(jaxpr, other)
       if c is None:
         return f"it multiplies the rows by an array that is not a constant ({prim})"
       tag, scale = rows[0], rows[0][1]

@@ -213,16 +213,10 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
       if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
         return f"it casts the {_WORDS[ins[0][0]]} to {dtype}"
       tags[out[0]] = ins[0]
-    elif name in traced.CALLS and "jaxpr" in eqn.params:
-      inner = eqn.params["jaxpr"]
-      inner = getattr(inner, "jaxpr", inner)
-      sub = {v: t for v, t in zip(inner.invars, ins) if t}
-      why = _walk(inner, sub, x_ndim)
+    elif traced.is_call(eqn):
+      why = traced.walk_call(eqn, ins, tags, lambda body, sub: _walk(body, sub, x_ndim))
       if why:
         return why
-      for v, w in zip(out, inner.outvars):
-        if isinstance(w, jax.extend.core.Var) and w in sub:
-          tags[v] = sub[w]
     elif name == "transpose" and kinds[0] in ("kernel", "y", "y+b"):
       t = ins[0]
       tags[out[0]] = (t[0], tuple(t[1][p] for p in eqn.params["permutation"])) + t[2:]

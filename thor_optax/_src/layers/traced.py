@@ -18,12 +18,13 @@ import contextlib
 import functools
 import inspect
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from thor_optax._src.layers import base
 
@@ -179,3 +180,30 @@ def trace_or_reason(module: Any, names: list, args: tuple, kwargs: dict) -> tupl
     return None, None, (f"its call could not be traced alone on its input ({type(e).__name__}: "
                         f"{str(e)[:120]})")
   return closed, shape, ""
+
+
+def is_call(eqn: Any) -> bool:
+  """Whether ``eqn`` calls a body the kinds' walks read (``jit``, ``remat``, ...)."""
+  return eqn.primitive.name in CALLS and "jaxpr" in eqn.params
+
+
+def walk_call(eqn: Any, tags_in: list, tags: dict, walk: Callable[[Any, dict], str]) -> str:
+  """Walks the body of a call equation (:func:`is_call`) with ``walk(body, body_tags)``, the
+  body's inputs tagged as the call's (``tags_in``, ``None`` untagged), then tags the call's
+  outputs as the body's; returns ``walk``'s reason (``''``: none)."""
+  inner = eqn.params["jaxpr"]
+  inner = getattr(inner, "jaxpr", inner)
+  sub = {v: t for v, t in zip(inner.invars, tags_in) if t}
+  why = walk(inner, sub)
+  if not why:
+    for v, w in zip(eqn.outvars, inner.outvars):
+      if isinstance(w, jax.extend.core.Var) and w in sub:
+        tags[v] = sub[w]
+  return why
+
+
+def scalar_literal(v: Any) -> Optional[float]:
+  """The value of an operand that is a scalar literal of the jaxpr, else ``None``."""
+  if isinstance(v, jax.extend.core.Literal) and np.ndim(v.val) == 0:
+    return float(v.val)
+  return None
