@@ -500,7 +500,7 @@ class GemmaRMSNorm(nn.Module):
 
 class GemmaEmbedder(nn.Module):
   """Gemma's embedder: ``encode`` looks tokens up (scaled by ``sqrt(d)``), ``decode`` is the
-  tied output ``x @ table.T``; no ``__call__`` (listed)."""
+  tied output ``x @ table.T``; no ``__call__`` (the ``'lookup'`` kind, tied)."""
 
   vocab: int
   width: int
@@ -829,10 +829,10 @@ LINEN_MODELS: dict[str, Case] = {c.name: c for c in [
                    | {f"h_0/{m}" for m in ("ln_1", "c_attn", "attn_c_proj", "ln_2", "c_fc",
                                            "mlp_c_proj")}), {}, captured_layout=True),
     Case("gemma_lm", GemmaLM(), lambda: token_batch(13, 4, 8, 16), softmax_ce,
-         frozenset({"final_norm"} | {f"layer_0/{m}" for m in (
+         frozenset({"embedder", "final_norm"} | {f"layer_0/{m}" for m in (
              "pre_attention_norm", "q_einsum", "kv_einsum", "attn_vec_einsum", "pre_ffw_norm",
              "gating", "linear")}),
-         {"embedder": "not supported"}, captured_layout=True),
+         {}, captured_layout=True),
     Case("maxtext_lm", MaxTextLM(), lambda: token_batch(14, 4, 8, 16), softmax_ce,
          frozenset({"token_embedder", "decoder_norm", "logits_dense"}
                    | {f"layers/{m}" for m in ("pre_self_attention_norm", "query", "key", "value",

@@ -189,28 +189,6 @@ class Columns(nn.Module):
     return jnp.moveaxis(table[:, ids], 0, -1)
 
 
-class Tied(nn.Module):
-  """MaxText's ``Embed`` with its ``attend``, used for the logits (a tied table)."""
-
-  @nn.compact
-  def __call__(self, ids):
-    return self.variables["params"]["embedding"][ids] if self.has_variable(
-        "params", "embedding") else self.param("embedding", nn.initializers.normal(1.0),
-                                               (V, D), F64)[ids]
-
-  def attend(self, query):
-    return query @ self.variables["params"]["embedding"].T
-
-
-class TiedNet(nn.Module):
-
-  @nn.compact
-  def __call__(self, ids):
-    emb = Tied(name="emb")
-    h = nn.Dense(D, name="mix", param_dtype=F64)(jnp.tanh(emb(ids)))
-    return emb.attend(h)[..., :K]
-
-
 class Offset(nn.Module):
 
   @nn.compact
@@ -263,14 +241,202 @@ def test_a_call_that_is_more_than_a_lookup_is_listed(cls):
   reference.assert_trees_close(grads, want)
 
 
-def test_a_table_also_used_by_another_method_is_listed():
-  """The table's ``attend`` (not intercepted) also reaches the outputs: weight sharing, listed
-  (a plain step from its lookup rows alone would drop the logits' gradient)."""
-  x, y = _batch(3)
-  params = reference.init_params(TiedNet(), x)
-  (_, grads), stats = reference.capture(TiedNet(), softmax_ce)(params, x, y)
+# ------------------------------------------------ tied tables: a lookup and the tied output
+
+
+class Tied(nn.Module):
+  """MaxText's ``Embed`` with its ``attend``, used for the logits (a tied table)."""
+
+  @nn.compact
+  def __call__(self, ids):
+    return self._table()[ids]
+
+  def attend(self, query):
+    return query @ self._table().T
+
+  def _table(self):
+    if self.has_variable("params", "embedding"):
+      return self.variables["params"]["embedding"]
+    return self.param("embedding", nn.initializers.normal(1.0), (V, D), F64)
+
+
+class GemmaEmbedder(nn.Module):
+  """Gemma's ``Embedder``: no ``__call__``; ``encode`` looks up and scales by ``sqrt(d)``,
+  ``decode`` is the tied output ``jnp.dot(x, table.T)``; ``rows`` reads no table (no use)."""
+
+  def setup(self):
+    self.table = self.param("input_embedding", nn.initializers.normal(1.0), (V, D), F64)
+
+  def encode(self, x):
+    x = self.table[(x,)]
+    x *= jnp.sqrt(D).astype(x.dtype)
+    return x
+
+  def decode(self, x):
+    return jnp.dot(x, self.table.T)
+
+  def rows(self, ids):
+    return jnp.full(ids.shape, V, F64)
+
+
+class EinsumDecode(GemmaEmbedder):
+  """``decode`` as an einsum of the table itself, halved."""
+
+  def decode(self, x):
+    return jnp.einsum("ntd,vd->ntv", x, self.table) * 0.5
+
+
+class CallsEncode(GemmaEmbedder):
+  """A ``__call__`` that calls ``encode``: one use, not two."""
+
+  def __call__(self, ids):
+    return self.encode(ids)
+
+
+class TiedNet(nn.Module):
+  """``lookup -> tanh -> Dense(D) -> tied output``; the reference (``table='reference'``):
+  ``nn.Embed`` and its ``attend``, times the constants of the table's module."""
+
+  table: str = "reference"
+  scales: tuple = (1.0, 1.0)
+
+  @nn.compact
+  def __call__(self, ids):
+    if self.table == "reference":
+      emb = nn.Embed(V, D, name="emb", param_dtype=F64)
+      encode = lambda i: emb(i) * self.scales[0]
+      decode = lambda h: emb.attend(h) * self.scales[1]
+    elif self.table == "maxtext":
+      emb = Tied(name="emb")
+      encode, decode = emb, emb.attend
+    else:
+      emb = TIED[self.table](name="emb")
+      encode, decode = (emb if self.table == "calls_encode" else emb.encode), emb.decode
+    h = encode(ids)
+    if self.table == "gemma":
+      h = h + 0.0 * emb.rows(ids)[..., None]
+    return decode(nn.Dense(D, name="mix", param_dtype=F64)(jnp.tanh(h)))
+
+
+TIED = {"gemma": GemmaEmbedder, "einsum": EinsumDecode, "calls_encode": CallsEncode}
+
+
+def _tied_batch(seed):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.integers(0, V, (N, T))), jnp.asarray(rng.integers(0, V, (N, T)))
+
+
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+@pytest.mark.parametrize("table,leaf,scales,stats_type", [
+    ("maxtext", "embedding", (1.0, 1.0), "EmbedStats"),
+    ("gemma", "input_embedding", (float(np.sqrt(D)), 1.0), "LookupStats"),
+    ("einsum", "input_embedding", (float(np.sqrt(D)), 0.5), "LookupStats"),
+    ("calls_encode", "input_embedding", (float(np.sqrt(D)), 1.0), "LookupStats")])
+def test_tied_tables_of_their_own_equal_nn_embed_attend(table, leaf, scales, stats_type,
+                                                        transform):
+  """A table looked up and applied as the tied output by methods of its own module (MaxText's
+  ``attend``, Gemma's ``encode`` / ``decode`` with no ``__call__``) is updated as ``nn.Embed``
+  with ``attend`` is, its constants folded in; a method reading no table is no use, and a
+  ``__call__`` calling ``encode`` is one use. Before, the module was listed."""
+  x, y = _tied_batch(3)
+  params = reference.init_params(TiedNet(table), x)
+  got, grads, stats = reference.captured_update(TiedNet(table), params, x, y, softmax_ce,
+                                                TRANSFORMS[transform], captured=True)
+  assert stats.unhandled == ()
+  emb = stats.layers["emb"]
+  assert type(emb).__name__ == stats_type
+  assert emb.attend_inputs is not None
+  want, _, want_stats = reference.captured_update(
+      TiedNet(scales=scales), _as_embed(params, leaf), x, y, softmax_ce, TRANSFORMS[transform])
+  for field in ("cotangents", "attend_inputs", "attend_cotangents"):
+    reference.assert_trees_close(getattr(emb, field), getattr(want_stats.layers["emb"], field))
+  reference.assert_trees_close(_as_embed(got, leaf), want)
+  assert float(jnp.abs(got["emb"][leaf] - grads["emb"][leaf]).max()) > 1e-3
+
+
+class NnxEmbedder(nnx.Module):
+  """The NNX Gemma example's ``Embedder``: ``encode`` indexes the ``nnx.Param``, ``decode``
+  multiplies by its value transposed."""
+
+  def __init__(self, rngs):
+    self.input_embedding = nnx.Param(jax.random.normal(rngs.params(), (V, D), F64))
+
+  def encode(self, x):
+    x = self.input_embedding[(x,)]
+    x *= jnp.sqrt(x.shape[-1]).astype(x.dtype)
+    return x
+
+  def decode(self, x):
+    return jnp.dot(x, self.input_embedding[...].T)
+
+
+class NnxTiedNet(nnx.Module):
+
+  def __init__(self, rngs, own=True):
+    self.emb = NnxEmbedder(rngs) if own else nnx.Embed(V, D, param_dtype=F64, rngs=rngs)
+    self.mix = nnx.Linear(D, D, param_dtype=F64, rngs=rngs)
+    self.own = own
+
+  def __call__(self, ids):
+    h = self.emb.encode(ids) if self.own else self.emb(ids) * np.sqrt(D)
+    h = self.mix(jnp.tanh(h))
+    return self.emb.decode(h) if self.own else self.emb.attend(h)
+
+
+def test_nnx_tied_table_of_its_own_equals_nnx_embed_attend():
+  x, y = _tied_batch(4)
+  model = NnxTiedNet(nnx.Rngs(0))
+  got, stats = _nnx_update(model, x, y)
+  assert stats.unhandled == ()
+  assert type(stats.layers["emb"]).__name__ == "LookupStats"
+  assert stats.layers["emb"].attend_inputs is not None
+  own = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  reference_model = NnxTiedNet(nnx.Rngs(1), own=False)
+  nnx.update(reference_model, nnx.State(_as_embed(own, "input_embedding")))
+  want, _ = _nnx_update(reference_model, x, y)
+  reference.assert_trees_close(_as_embed(got, "input_embedding"), want)
+
+
+class SoftCapped(GemmaEmbedder):
+
+  def decode(self, x):  # Gemma 2's final logit soft cap inside decode
+    return jnp.tanh(jnp.dot(x, self.table.T) / 30.0) * 30.0
+
+
+class NormedDecode(GemmaEmbedder):
+
+  def decode(self, x):  # h normalized inside decode: the recorded input is not the product's
+    return jnp.dot(x / jnp.linalg.norm(x, axis=-1, keepdims=True), self.table.T)
+
+
+class FirstRows(GemmaEmbedder):
+
+  def decode(self, x):  # logits of the first K rows only
+    return jnp.dot(x, self.table[:K].T)
+
+
+NOT_A_TIED_OUTPUT = {SoftCapped: "it applies tanh to the product",
+                     NormedDecode: "to the input",
+                     FirstRows: "to the table"}
+
+
+@pytest.mark.parametrize("cls", list(NOT_A_TIED_OUTPUT), ids=lambda c: c.__name__)
+def test_a_method_that_is_more_than_the_tied_output_is_listed(cls):
+  """The module is listed with the reason (its ``decode`` names the operation), and its
+  gradient passes through unchanged."""
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      emb = cls(name="emb")
+      return emb.decode(nn.Dense(D, name="mix", param_dtype=F64)(jnp.tanh(emb.encode(ids))))
+
+  x, y = _batch(5)
+  params = reference.init_params(Model(), x)
+  (_, grads), stats = reference.capture(Model(), softmax_ce)(params, x, y)
   assert set(stats.layers) == {"mix"}
   (reason,) = stats.unhandled
-  assert reason.startswith("emb: ") and "also" in reason, reason
-  want = jax.grad(lambda p: softmax_ce(TiedNet().apply({"params": p}, x), y))(params)
+  assert reason.startswith("emb: ") and "decode" in reason, reason
+  assert NOT_A_TIED_OUTPUT[cls] in reason, reason
+  want = jax.grad(lambda p: softmax_ce(Model().apply({"params": p}, x), y))(params)
   reference.assert_trees_close(grads, want)

@@ -31,7 +31,8 @@ Captured layer kinds (see ``layers/*.py``):
 
 A layer called once is captured through its own ``params`` scope, directly or inside lifted
 transforms; a layer whose weights are used several times directly in the forward pass (called
-twice, an embedding's ``__call__`` and ``attend``) is weight sharing: every use is recorded and
+twice, an embedding's ``__call__`` and ``attend``, Gemma's ``Embedder.encode`` and ``decode``
+of the ``'lookup'`` kind) is weight sharing: every use is recorded and
 perturbed in the forward trace and the kind joins them (:func:`shared_uses`); a layer whose
 weights a lifted loop applies at every iteration (an ``nn.RNN`` / ``nn.scan`` cell with
 ``variable_broadcast='params'``, a layer broadcast into ``nn.vmap``) gets K-FAC-reduce over the
@@ -346,7 +347,7 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
     first = seen[0]
     kind = first.kind or layers_lib.kind_of_module(first.module)
     methods = tuple(c.method for c in seen)
-    plan = (_live_plan(seen) if kind.live_plan
+    plan = (kind.join_plans([c.plan for c in seen if c.plan is not None]) if kind.live_plan
             else kind.plan(first.module, methods, first.input_shape))
     if plan.meta is None and not plan.reason:
       continue  # no parameters, nothing to precondition
@@ -381,19 +382,6 @@ def plan_calls(calls: Mapping[tuple[Any, ...], list],
     if path not in captured and path not in unhandled:
       unhandled[path] = reason
   return captured, unhandled
-
-
-def _live_plan(seen: Sequence[Call]) -> layer_base.Plan:
-  """The plan of a :attr:`~thor_optax._src.layers.base.LayerKind.live_plan` kind's module:
-  its calls' own plans, when they agree (one call might compute another product, or none)."""
-  plans = [c.plan for c in seen if c.plan is not None]
-  refused = next((p for p in plans if p.meta is None), None)
-  if refused is not None or not plans:
-    return refused or layer_base.Plan(None, "no call of it was planned")
-  if any(p != plans[0] for p in plans):
-    return layer_base.Plan(None, f"its {len(plans)} calls apply its weight differently "
-                           f"({sorted({str(p.meta) for p in plans})})")
-  return plans[0]
 
 
 def layer_weight_sharing(weight_sharing: str, attention_key: bool) -> str:
@@ -791,6 +779,7 @@ class _Context:
     self.root = None
     self.param_shapes = param_shapes
     self.stack: list[tuple[str, ...]] = []  # paths of the model's modules being called
+    self.methods: list[str] = []  # and the methods called
     self.trace = None  # the forward pass's JAX trace (set when it starts)
 
   def enter(self, mod: nn.Module) -> None:
@@ -807,6 +796,15 @@ class _Context:
     """Whether ``mod`` belongs to a variable tree applied with ``.apply()`` inside the model."""
     root = mod.scope.root
     return root is not self.root and not root.path and not root.debug_path
+
+  def nested(self, mod: nn.Module, method: str, kind: layer_base.LayerKind) -> bool:
+    """Whether a call of ``mod``'s ``method`` runs inside a call of another method of the same
+    module that ``kind`` intercepts, and is part of that use (``__call__`` calling
+    ``self.encode``); a ``__call__`` inside a ``__call__`` of the same path is a lifted
+    transform's body (``nn.scan``), which is the use."""
+    path = tuple(mod.path)
+    return any(p == path and kind.intercepts(mod, m) and (m != "__call__" or method != "__call__")
+               for p, m in zip(self.stack, self.methods))
 
   def site(self) -> str:
     """The model module that is running (where a ``.apply()`` happens)."""
@@ -854,31 +852,40 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
       if method == "__call__" and layers_lib.kind_of_module(mod) is not None:
         foreign[ctx.site()] = type(mod).__name__
       return next_fun(*args, **kwargs)
+    kind = layers_lib.kind_of_module(mod)
+    if kind is not None and kind.live_plan and ctx.nested(mod, method, kind):
+      return next_fun(*args, **kwargs)  # part of the module's outer call, its use
     ctx.stack.append(tuple(mod.path))
+    ctx.methods.append(method)
     try:
       out = next_fun(*args, **kwargs)
     finally:
       ctx.stack.pop()
-    kind = layers_lib.kind_of_module(mod)
-    if kind is None or method not in kind.methods:
+      ctx.methods.pop()
+    if kind is None or not kind.intercepts(mod, method):
       return out
     if kind.live_plan and not one_array_input(args, kwargs):
-      transformed.setdefault(tuple(mod.path), not_one_array_reason(mod, args, kwargs))
+      if method == "__call__":  # another method so called is left to used_outside_their_calls
+        transformed.setdefault(tuple(mod.path), not_one_array_reason(mod, args, kwargs))
       return out
     why = _not_lifted_reason(mod, ctx)
     if why:
       transformed[tuple(mod.path)] = why
       return out
     out, plan, kind = marked(marks, kind, mod, method, args, kwargs, out, tuple(mod.path))
+    if kind.live_plan and plan is None:
+      return out  # a method that is no use of the module's weight
     place = ctx.placement(mod)
     stack, shared_over = place if place is not None else ((), "")
     note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over,
               lifted=mod.scope.root is not ctx.root, kind=kind, plan=plan)
-    if method == "__call__" and place is not None and not shared_over:
+    if place is not None and not shared_over and method == "__call__":
       seen = (mod.scope.get_variable("params", _CALLS)
               if mod.scope.has_variable("params", _CALLS) else jnp.zeros((0,)))
       mod.scope.put_variable("params", _CALLS, jnp.zeros((seen.shape[-1] + 1,)))
       mod.scope.put_variable("params", _INPUTS, primary_input(args, kwargs))
+    elif place is not None and not shared_over and not mod.scope.has_variable("params", _INPUTS):
+      mod.scope.put_variable("params", _INPUTS, primary_input(args, kwargs))  # first use
     return out
 
   closed, (outputs, mutated) = _trace_discovery(apply, record, ctx, params, model_state,
@@ -901,31 +908,40 @@ def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, me
            ) -> tuple[Any, Optional[layer_base.Plan], layer_base.LayerKind]:
   """``(out, plan, kind)`` of one call of a registered kind's layer: ``out`` marked for the
   attention-key analysis (``attention_keys.Marks``) with the output's positions when it is a
-  call the kind plans, the kind's plan of a ``__call__`` (``None`` for another method), and
-  the kind. A module that several :attr:`~thor_optax._src.layers.base.LayerKind.live_plan`
-  kinds match (one weight: a product for ``'matmul'``, a shift for ``'channel_affine'``, a
-  lookup for ``'lookup'``) is planned by each in registry order until one captures the call;
-  otherwise the reason of the first one for the input's type lists it (integer ids: the
-  ``'lookup'`` kind's). Another method's call (a tied embedding's ``attend``) or one the kinds
-  list is noted unmarked."""
-  plan = kind.plan_call(mod, args, kwargs) if method == "__call__" else None
-  if plan is not None and plan.meta is None and kind.live_plan:
-    x = primary_input(args, kwargs)
-    ids = jnp.issubdtype(jnp.result_type(x), jnp.integer) if hasattr(x, "dtype") else False
-    refused = [(kind, plan)]
-    for other in layers_lib.kinds_of_module(mod):
-      if other is not kind and other.live_plan:
-        refused.append((other, other.plan_call(mod, args, kwargs)))
-        if refused[-1][1].meta is not None:
-          break
-    # Captured by the last one tried, or listed with the reason of the first kind for the
-    # input's type (integer ids: an embedding's).
-    kind, plan = (refused[-1] if refused[-1][1].meta is not None else next(
-        (p for p in refused if p[0].integer_inputs == ids), refused[0]))
+  call the kind plans, the kind's plan (``None`` for a method it does not plan: a tied
+  embedding's ``attend``, noted unmarked, or a method of a module of any class that is no use
+  of its weight, not noted), and the kind (:func:`live_plan` for a module of any class)."""
+  if kind.live_plan:
+    kind, plan = live_plan(kind, mod, method, args, kwargs)
+  else:
+    plan = kind.plan_call(mod, args, kwargs) if method == "__call__" else None
   if plan is None or plan.meta is None:
     marks.skip(path)
     return out, plan, kind
   return marks.mark(out, path, kind.output_positions(plan.meta, jnp.ndim(out))), plan, kind
+
+
+def live_plan(kind: layer_base.LayerKind, mod: Any, method: str, args: tuple, kwargs: dict
+              ) -> tuple[layer_base.LayerKind, Optional[layer_base.Plan]]:
+  """``(kind, plan)`` of one call of a module that kinds of any class match (one weight: a
+  product for ``'matmul'``, a shift for ``'channel_affine'``, a lookup or its tied ``decode``
+  for ``'lookup'``): each plans the call (:meth:`~layer_base.LayerKind.plan_method`) in
+  registry order until one captures it; otherwise the reason of the first one for the input's
+  type lists it (integer ids: the ``'lookup'`` kind's); ``(kind, None)`` when none takes the
+  call for a use of the weight."""
+  x = primary_input(args, kwargs)
+  ids = jnp.issubdtype(jnp.result_type(x), jnp.integer) if hasattr(x, "dtype") else False
+  refused = []
+  for other in (kind,) + tuple(k for k in layers_lib.kinds_of_module(mod)
+                               if k is not kind and k.live_plan):
+    plan = other.plan_method(mod, method, args, kwargs)
+    if plan is not None and plan.meta is not None:
+      return other, plan
+    if plan is not None:
+      refused.append((other, plan))
+  if not refused:
+    return kind, None
+  return next((p for p in refused if p[0].integer_inputs == ids), refused[0])
 
 
 def _not_lifted_reason(mod: nn.Module, ctx: _Context) -> str:
@@ -1105,14 +1121,17 @@ def _used_inputs(jaxpr: Any, outputs: Optional[Sequence[bool]] = None) -> Option
     return None
 
 
-def zeroed_output(module: Any, method: str, out: Any, inputs: Any = ()) -> Any:
-  """``out`` of a call, or, when it is a registered kind's method, zeros of its shape that
+def zeroed_output(module: Any, method: str, out: Any, inputs: Any = (),
+                  uses: Collection[str] = ()) -> Any:
+  """``out`` of a call, or, when it is a registered kind's method (one of its
+  :attr:`~layer_base.LayerKind.methods`, or of ``uses``: the methods of the module's calls the
+  discovery pass took for uses, a module of any class's ``decode``), zeros of its shape that
   still depend on the call's ``inputs`` (its arguments): the forward pass of
   :func:`used_outside_their_calls`, where a parameter must reach the outputs through its own
   calls no more, while any other use upstream of a layer (a tied kernel read into a later
   head's input) still does (linen and NNX interceptors)."""
   kind = layers_lib.kind_of_module(module)
-  if kind is None or method not in kind.methods:
+  if kind is None or (method not in kind.methods and method not in uses):
     return out
   arrays = [x for x in jax.tree_util.tree_leaves(inputs) if isinstance(x, jax.Array)
             and (jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_))]
@@ -1120,10 +1139,20 @@ def zeroed_output(module: Any, method: str, out: Any, inputs: Any = ()) -> Any:
   return jax.tree_util.tree_map(lambda o: jnp.zeros_like(o) + keep.astype(o.dtype), out)
 
 
-def _zeroed_calls(next_fun, args, kwargs, context):
-  """A linen interceptor applying :func:`zeroed_output`."""
-  return zeroed_output(context.module, context.method_name, next_fun(*args, **kwargs),
-                       (args, kwargs))
+def noted_methods(calls: Mapping[tuple[Any, ...], Sequence[Call]]) -> dict:
+  """``{module path: {method, ...}}`` of the calls the discovery pass noted
+  (:func:`zeroed_output`'s ``uses``)."""
+  return {path: {c.method for c in seen} for path, seen in calls.items()}
+
+
+def _zeroed_calls(uses: Mapping[tuple[Any, ...], Collection[str]]) -> Callable:
+  """A linen interceptor applying :func:`zeroed_output` (``uses``: :func:`noted_methods`)."""
+
+  def intercept(next_fun, args, kwargs, context):
+    return zeroed_output(context.module, context.method_name, next_fun(*args, **kwargs),
+                         (args, kwargs), uses.get(tuple(context.module.path), ()))
+
+  return intercept
 
 
 def _inputs_feeding_outputs(jaxpr: Any) -> set:
@@ -1184,16 +1213,21 @@ def _forward(apply: _Apply, model_state: dict, inputs: Any,
   steps = {p for p, z in perts.items() if isinstance(z, step_sharing.StepChannels)}
   in_clone = [False]  # the x_hat clone's own call passes through the interceptor
   used: dict[tuple[str, ...], list] = {p: [] for p in shared}
+  using: set = set()  # shared layers whose use is running
 
   def intercept(next_fun, args, kwargs, context):
     mod = context.module
     ctx.enter(mod)
     path = tuple(mod.path)
     if (path in used and context.method_name in shared[path] and not in_clone[0]
-        and not ctx.foreign(mod)):
+        and not ctx.foreign(mod) and path not in using):
       i = len(used[path])
       used[path].append(primary_input(args, kwargs))
-      return next_fun(*args, **kwargs) + perts[path][i]
+      using.add(path)  # a call of another of its methods inside this one is part of this use
+      try:
+        return next_fun(*args, **kwargs) + perts[path][i]
+      finally:
+        using.discard(path)
     if (in_clone[0] or context.method_name != "__call__" or path not in perts
         or ctx.foreign(mod)):
       return next_fun(*args, **kwargs)
@@ -1339,7 +1373,7 @@ def value_and_grad_with_stats(
     shared = {**_shared_with_apply(apply, params, model_state, inputs, foreign), **transformed}
 
     def zeroed(p):
-      with nn.intercept_methods(_zeroed_calls):
+      with nn.intercept_methods(_zeroed_calls(noted_methods(calls))):
         return apply.outputs({"params": p, **model_state}, inputs)
 
     shared.update(used_outside_their_calls(zeroed, params, set(calls) - set(shared)))

@@ -11,7 +11,10 @@ only where the model itself calls them, i.e. they need a model edit. So while th
 its forward passes, the intercepted methods of every registered layer kind's NNX classes
 (``layers/``: ``__call__`` of ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``,
 ``nnx.Embed``, ``nnx.BatchNorm``, ``nnx.LayerNorm``, ``nnx.GroupNorm`` and ``nnx.RMSNorm``, and
-``nnx.Embed.attend``, a tied embedding's second use) are replaced on the class by a wrapper, inside
+``nnx.Embed.attend``, a tied embedding's second use), and those of the model's modules that a kind
+of any class takes (``__call__`` and their own public methods taking an input,
+``traced.layer_methods``: Gemma's ``Embedder.encode`` and ``decode``) are replaced on the class
+by a wrapper, inside
 a context manager that restores the originals in ``finally``. User models are never edited. The
 wrappers act only on the thread that entered the context and only on the modules of the model copy
 being captured (found by object identity); every other call, in this or another thread, goes to the
@@ -38,7 +41,8 @@ Limitations:
 
 * only the classes above are intercepted, and only their own ``__call__`` (a subclass that
   overrides ``__call__`` without calling ``super().__call__`` is not captured; it is listed
-  as unhandled);
+  as unhandled); a call of a patched method inside another call of the same module is part of
+  that call (``__call__`` calling ``self.encode``: one use);
 * layers run inside NNX lifted transforms (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``, ...) are
   copies the transform makes: the capture tags every layer of the model copy with its path (a
   static attribute, kept in the graph definition the transform splits and merges) and gives it
@@ -96,20 +100,21 @@ _originals: dict[tuple[type, str], Any] = {}
 
 def _wrapper(original: Callable[..., Any], method: str) -> Callable[..., Any]:
   """The replacement of ``cls.method``: the thread's handler if one is active, else original.
-  A call the handler already handles for the same module (a subclass's ``__call__`` calling
-  ``super().__call__``, both patched) goes to the original: one call, handled once."""
+  A call of a patched method of a module the handler is already handling (a subclass's
+  ``__call__`` calling ``super().__call__``, ``__call__`` calling ``self.encode``) goes to the
+  original: it is part of that call, handled once."""
 
   @functools.wraps(original)
   def wrapped(self, *args, **kwargs):
     handler = getattr(_local, "handler", None)
     active = _local.__dict__.setdefault("active", set())
-    if handler is None or traced.tracing_alone() or (id(self), method) in active:
+    if handler is None or traced.tracing_alone() or id(self) in active:
       return original(self, *args, **kwargs)
-    active.add((id(self), method))
+    active.add(id(self))
     try:
       return handler(original, self, method, args, kwargs)
     finally:
-      active.discard((id(self), method))
+      active.discard(id(self))
 
   return wrapped
 
@@ -123,8 +128,9 @@ def _owner(cls: type, name: str) -> tuple[type, str]:
 @contextlib.contextmanager
 def _intercept(handler: _Handler, model: Optional[nnx.Module] = None) -> Iterator[None]:
   """Routes calls of the patched layer methods to ``handler`` within the block: those of the
-  registered kinds' NNX classes, and ``__call__`` of the classes of ``model``'s modules that a
-  kind matching modules of any class takes (the ``'matmul'`` kind).
+  registered kinds' NNX classes, and the methods of the classes of ``model``'s modules that a
+  kind matching modules of any class takes (``__call__`` and their own public methods taking
+  an input, ``traced.layer_methods``: Gemma's ``Embedder.encode`` and ``decode``).
 
   ``handler(original, module, method, args, kwargs)`` gets ``original``, the unpatched function
   (``original(module, *args, **kwargs)`` is not intercepted again), and returns the call's
@@ -134,8 +140,8 @@ def _intercept(handler: _Handler, model: Optional[nnx.Module] = None) -> Iterato
   """
   global _patch_depth
   with _patch_lock:
-    pairs = list(layers_lib.intercepted("nnx")) + [(c, "__call__")
-                                                    for c in _any_class_layers(model)]
+    pairs = list(layers_lib.intercepted("nnx")) + [(c, m) for c in _any_class_layers(model)
+                                                    for m in traced.layer_methods(c)]
     for cls, name in dict.fromkeys(_owner(c, m) for c, m in pairs):
       if (cls, name) not in _originals:
         original = cls.__dict__[name]
@@ -388,8 +394,11 @@ class _Discovery:
     if path not in self.outer:
       return out
     kind = layers_lib.kind_of_module(mod)
+    if not kind.intercepts(mod, method):
+      return out
     if kind.live_plan and not capture_lib.one_array_input(args, kwargs):
-      self.refused.setdefault(path, capture_lib.not_one_array_reason(mod, args, kwargs))
+      if method == "__call__":  # another method so called is left to used_outside_their_calls
+        self.refused.setdefault(path, capture_lib.not_one_array_reason(mod, args, kwargs))
       return out
     inner = _own_param(mod)
     stack = self.outer[path][:len(self.outer[path]) - inner.ndim]
@@ -406,12 +415,14 @@ class _Discovery:
       self.written.add(path)
     out, plan, kind = capture_lib.marked(self.marks, kind, mod, method, args, kwargs, out,
                                          path)
+    if kind.live_plan and plan is None:
+      return out  # a method that is no use of the module's weight
     capture_lib.note_call(self.calls, path, mod, method, args, kwargs, out, stack, shared,
                           lifted=mod is not self.layers[path], kind=kind, plan=plan)
     self.dtypes[path] = x.dtype
-    if (method == "__call__" and mod is self.layers[path]
+    if ((method == "__call__" or path not in self.inputs) and mod is self.layers[path]
         and jax.extend.core.get_opaque_trace_state(convention="nnx") == self.top):
-      self.inputs[path] = x
+      self.inputs[path] = x  # (another method's: its first use)
     return out
 
 
@@ -472,6 +483,7 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: _CallKwargs, ca
   copy = nnx.merge(graphdef, params, rest, copy=True)
   layers = _tagged(copy)
   used = {path: [] for path, c in captured.items() if c["uses"]}  # weight sharing
+  use_methods = {path: {u.method for u in captured[path]["uses"]} for path in used}
   for path, c in captured.items():
     if path in used:
       continue
@@ -486,7 +498,8 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: _CallKwargs, ca
 
   def intercept(original, mod, method, args, kwargs):
     path = getattr(mod, _PATH, None)
-    if path in used and mod is layers[path]:  # the i-th use of a shared layer, in this trace
+    if path in used and method in use_methods[path] and mod is layers[path]:
+      # the i-th use of a shared layer, in this trace
       i = len(used[path])
       used[path].append(capture_lib.primary_input(args, kwargs))
       return original(mod, *args, **kwargs) + perts[path][i]
@@ -637,7 +650,8 @@ def value_and_grad_with_stats(
         "thor_optax.nnx.value_and_grad_with_stats")
     tied = {**unbatched, **_shared_params(model)}
     outside = {**capture_lib.used_outside_their_calls(
-        functools.partial(_zeroed_forward, graphdef, rest, inputs, call_kwargs), params,
+        functools.partial(_zeroed_forward, graphdef, rest, inputs, call_kwargs,
+                          capture_lib.noted_methods(calls)), params,
         {path: seen for path, seen in calls.items() if path not in tied}), **tied}
     captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params),
                                                  shared=outside,
@@ -671,15 +685,17 @@ def _check_wrt(model: nnx.Module, wrt: Any) -> None:
         "subclass of it), or train them with another optimizer outside this capture.")
 
 
-def _zeroed_forward(graphdef, rest, inputs, call_kwargs, params):
-  """The model's outputs with every registered kind's method returning zeros of its output's
-  shape (``capture.used_outside_their_calls``)."""
+def _zeroed_forward(graphdef, rest, inputs, call_kwargs, uses, params):
+  """The model's outputs with every registered kind's method (and the methods of ``uses``,
+  ``capture.noted_methods``) returning zeros of its output's shape
+  (``capture.used_outside_their_calls``)."""
 
   def zeroed(original, mod, method, args, kwargs):
     return capture_lib.zeroed_output(mod, method, original(mod, *args, **kwargs),
-                                     (args, kwargs))
+                                     (args, kwargs), uses.get(getattr(mod, _PATH, None), ()))
 
   copy = nnx.merge(graphdef, params, rest, copy=True)
+  _tagged(copy)
   with _intercept(zeroed, copy):
     return copy(inputs, **call_kwargs.fresh()[0])
 

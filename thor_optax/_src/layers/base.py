@@ -387,6 +387,33 @@ class LayerKind(abc.ABC):
     del module, methods, input_shape
     return Plan(meta={})
 
+  def intercepts(self, module: Any, method: str) -> bool:
+    """Whether the capture takes a call of ``module``'s ``method`` as a use of the layer
+    (default: ``method`` is one of :attr:`methods`; the kinds of any class: any method of
+    the module's own class taking an input, which :meth:`plan_method` plans)."""
+    del module
+    return method in self.methods
+
+  def plan_method(self, module: Any, method: str, args: tuple, kwargs: dict
+                  ) -> Optional[Plan]:
+    """The plan of one call of ``module``'s ``method`` (a :attr:`live_plan` kind's), or
+    ``None`` when the call is no use of the layer's weights for this kind. Default:
+    :meth:`plan_call` for ``__call__``, ``None`` for another method."""
+    return self.plan_call(module, args, kwargs) if method == "__call__" else None
+
+  def join_plans(self, plans: list) -> Plan:
+    """The plan of a :attr:`live_plan` kind's module from its calls' plans (:class:`Plan` s, in
+    call order): the plan they share, or, when they differ (one call might compute another
+    product, or none), a refusal naming them. A kind whose uses play different roles (a
+    table's lookup and its tied ``decode``) overrides it."""
+    refused = next((p for p in plans if p.meta is None), None)
+    if refused is not None or not plans:
+      return refused or Plan(None, "no call of it was planned")
+    if any(p != plans[0] for p in plans):
+      return Plan(None, f"its {len(plans)} calls apply its weight differently "
+                  f"({sorted({str(p.meta) for p in plans})})")
+    return plans[0]
+
   def plan_call(self, module: Any, args: tuple, kwargs: dict) -> Plan:
     """The plan of one ``__call__`` with arguments ``args``, ``kwargs`` (the layer's input is
     :func:`primary_input`), made during the call with the module live (the capture keeps it

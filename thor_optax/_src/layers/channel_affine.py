@@ -327,6 +327,11 @@ class ChannelAffine(norm.Norm):
     question."""
     return not traced.tracing_alone() and own_channels(module) is not None
 
+  def intercepts(self, module: Any, method: str) -> bool:
+    """Any method of the module's own class taking an input (``traced.layer_methods``), so
+    that another kind of any class may plan it; this kind plans ``__call__``."""
+    return method in traced.layer_methods(type(module))
+
   def plan_call(self, module, args, kwargs) -> base.Plan:
     """Captured when the call's input is one array with a batch axis, its other arguments
     Python constants, and the module's call with them is the affine map (:func:`layout`)."""

@@ -16,18 +16,27 @@ whose token counts would be the wrong rows', rows of another axis; a one-hot pro
 
 A table named ``embedding`` gives :class:`~thor_optax._src.layers.embed.EmbedStats`, which the
 ``'embed'`` kind lays out from its shape; any other :class:`LookupStats`, naming it, laid out
-from the capture's statistics (``layers=captured_layers(stats)``). A tied use of the table
-(``attend``, ``decode``: another method) is not intercepted: the capture finds the table
-reaching the outputs other than through the lookup and lists the module (weight sharing).
+from the capture's statistics (``layers=captured_layers(stats)``).
+
+Tied output embeddings: MaxText's ``Embed.attend`` and Gemma's ``Embedder.decode`` apply the
+same table to the last hidden states, ``logits = h @ table.T`` (Gemma's embedder has no
+``__call__``: ``encode`` looks up). Every method of the module's own class that takes an input
+is intercepted and traced alone; one on floats that is ``c * h @ table.T`` (up to float casts,
+the product contracting ``h``'s last axis with the table's features) is a tied use, joined with
+the lookups as ``nn.Embed``'s ``attend`` is (``embed.py``, Eschenhagen et al. 2023), the
+constant folded into the logit cotangents. A method that reads the table otherwise (a soft cap
+``tanh`` of the logits, a norm of ``h`` inside ``decode``) lists the module with the reason.
 
 References:
   Chen et al., "THOR", AAAI 2021 (diagonal ``A`` of embeddings).
+  Eschenhagen et al., "Kronecker-Factored Approximate Curvature for Modern Neural Network
+  Architectures", NeurIPS 2023 (a shared weight's uses).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from flax import nnx
 import jax
@@ -50,8 +59,11 @@ class LookupStats:
       ``vocab`` for an id it read none for).
     cotangents: per-example cotangents of the looked-up rows ``(S, N, ..., features)`` (the
       output's, times the call's constant).
-    attend_inputs, attend_cotangents: always ``None`` (a tied use is listed); kept so that the
-      ``'embed'`` kind's maths reads these statistics as its own.
+    attend_inputs: the inputs ``h`` ``(N, P, features)`` of the tied output uses (``decode``,
+      ``attend``), or ``None``; as ``EmbedStats``', so that the ``'embed'`` kind's maths
+      reads these statistics as its own.
+    attend_cotangents: their logit cotangents times their constant, ``(S, N, P, vocab)``, or
+      ``None``.
     num_terms: as ``EmbedStats``' (static).
     table: the table leaf's name (static).
 
@@ -65,6 +77,25 @@ class LookupStats:
   attend_cotangents: Optional[jax.Array] = None
   num_terms: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
   table: str = dataclasses.field(default="embedding", metadata=dict(static=True))
+
+
+class Use(NamedTuple):
+  """How one call reads the table (static, in the plan's ``uses``).
+
+  Attributes:
+    role: ``'lookup'`` (``c * table[ids]``) or ``'attend'`` (the tied output ``c * h @
+      table.T``).
+    scale: the constant ``c``.
+    wrapped: a lookup's negative ids wrapped (:func:`rows_read`; ``False`` for attend).
+    mode: a lookup's out-of-range ids ``'clip'`` or ``'drop'`` (``''`` for attend).
+
+  Source: this project.
+  """
+
+  role: str
+  scale: float
+  wrapped: bool
+  mode: str
 
 
 def own_table(module: Any) -> Optional[str]:
@@ -197,33 +228,104 @@ def _walk(jaxpr: Any, tags: dict, ids_shape: tuple, vocab: int) -> str:
   return ""
 
 
-def layout(module: Any, args: tuple, kwargs: dict) -> tuple[Optional[dict], str]:
-  """``(meta, '')`` when the call of ``module`` (matched by :func:`own_table`) on integer ids is
-  ``c * table[ids]`` (module docstring), else ``(None, reason)``; ``meta``: ``table`` (the
-  leaf's name), ``scale`` (``c``), and how ids map to rows: ``wrapped``, ``mode``, ``vocab``
-  (:func:`rows_read`)."""
+def _reads(jaxpr: Any, var: Any) -> bool:
+  """Whether ``jaxpr`` reads its input ``var`` (an equation's operand or an output)."""
+  return any(v is var for eqn in jaxpr.eqns for v in eqn.invars) or any(
+      v is var for v in jaxpr.outvars)
+
+
+def layout(module: Any, args: tuple, kwargs: dict, method: str = "__call__"
+           ) -> tuple[Optional[dict], str]:
+  """``(meta, '')`` when the call of ``module``'s ``method`` (a module :func:`own_table`
+  matches) on integer ids is ``c * table[ids]``, or on floats ``h`` the tied output ``c * h @
+  table.T`` (module docstring), else ``(None, reason)``; ``(None, '')`` when it does not read
+  the table (no use of it). ``meta``: ``table`` (the leaf's name), ``vocab``, and ``uses``:
+  one :data:`Use` ``(role, c, wrapped, mode)``, role ``'lookup'`` (with how ids map to rows:
+  ``wrapped``, ``mode``, :func:`rows_read`) or ``'attend'``."""
   name = own_table(module)
-  ids = base.primary_input(args, kwargs)
+  x = base.primary_input(args, kwargs)
   what = f"{type(module).__name__} holds a table {name!r}"
-  closed, shape, why = traced.trace_or_reason(module, [name], args, kwargs)
+  closed, shape, why = traced.trace_or_reason(module, [name], args, kwargs, method)
   if why:
     return None, f"{what} but {why}; register a layer kind for it (thor_optax.register_layer_kind)"
   jaxpr = closed.jaxpr
+  if method != "__call__" and not _reads(jaxpr, jaxpr.invars[0]):
+    return None, ""
   vocab = jaxpr.invars[0].aval.shape[0]
-  tags = {jaxpr.invars[0]: "table", jaxpr.invars[1]: "ids"}
+  ids = jnp.issubdtype(jnp.result_type(x), jnp.integer)
+  tags = {jaxpr.invars[0]: "table", jaxpr.invars[1]: "ids" if ids else "x"}
   try:
-    why = _walk(jaxpr, tags, jnp.shape(ids), vocab)
+    why = (_walk(jaxpr, tags, jnp.shape(x), vocab) if ids
+           else _walk_attend(jaxpr, tags, jnp.shape(x), vocab))
   except Exception as e:  # pylint: disable=broad-except  # an unforeseen form lists the module
     why = f"its jaxpr could not be read ({type(e).__name__}: {str(e)[:120]})"
   out = tags.get(jaxpr.outvars[0]) if isinstance(jaxpr.outvars[0], jax.extend.core.Var) \
       else None
   if not why and (not isinstance(shape, jax.ShapeDtypeStruct) or not isinstance(out, tuple)):
-    why = "its output is not one array of rows of the table"
+    why = ("its output is not one array of rows of the table" if ids else
+           "its output is not one array of the input times the table transposed")
   if why:
-    return None, (f"{what}, but its call is not a lookup of rows of it by the ids: {why}; "
-                  "register a layer kind for it (thor_optax.register_layer_kind)")
-  _, scale, wrapped, mode = out
-  return dict(table=name, scale=scale, wrapped=wrapped, mode=mode, vocab=vocab), ""
+    call = f"{method}" if method != "__call__" else "call"
+    return None, (f"{what}, but its {call} is not "
+                  + ("a lookup of rows of it by the ids" if ids else "the tied output "
+                     "h @ table.T of its input") + f": {why}; register a layer kind for it "
+                  "(thor_optax.register_layer_kind)")
+  role, scale, wrapped, mode = out
+  use = Use("lookup" if role == "rows" else "attend", scale, wrapped, mode)
+  return dict(table=name, vocab=vocab, uses=(use,)), ""
+
+
+def _walk_attend(jaxpr: Any, tags: dict, x_shape: tuple, vocab: int) -> str:
+  """Tags the values of ``jaxpr`` derived from the table (``'table'``, ``'table.T'``: itself
+  or transposed, up to casts) and from the input ``h`` (``'x'``, up to casts), and the tied
+  output ``('attend', c, False, '')``: ``c`` times the product of ``h`` (first operand) and
+  the table, contracting ``h``'s last axis with the table's features (``jnp.dot(h,
+  table.T)``, ``jnp.einsum('...d,vd->...v', h, table)``), output ``h.shape[:-1] +
+  (vocab,)``; returns the other operation on them (``''``: none)."""
+  for eqn in jaxpr.eqns:
+    kinds = [tags.get(v) if isinstance(v, jax.extend.core.Var) else None for v in eqn.invars]
+    if not any(kinds):
+      continue
+    prim, out = eqn.primitive.name, eqn.outvars
+    logits = [k for k in kinds if isinstance(k, tuple)]
+    if traced.is_call(eqn):
+      why = traced.walk_call(eqn, kinds, tags,
+                             lambda body, sub: _walk_attend(body, sub, x_shape, vocab))
+      if why:
+        return why
+    elif prim in traced.CASTS and jnp.issubdtype(out[0].aval.dtype, jnp.floating) \
+        and jnp.dtype(out[0].aval.dtype).itemsize >= 2:
+      tags[out[0]] = kinds[0]
+    elif prim == "transpose" and kinds == ["table"] and tuple(eqn.params["permutation"]) == (1, 0):
+      tags[out[0]] = "table.T"
+    elif prim == "dot_general" and kinds in (["x", "table"], ["x", "table.T"]):
+      (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+      features = 1 if kinds[1] == "table" else 0
+      if (tuple(lc) != (len(x_shape) - 1,) or tuple(rc) != (features,) or tuple(lb)
+          or tuple(rb) or tuple(out[0].aval.shape) != tuple(x_shape[:-1]) + (vocab,)):
+        return "it multiplies the input and the table along other axes"
+      tags[out[0]] = ("attend", 1.0, False, "")
+    elif prim in ("mul", "div") and len(logits) == 1 and len(kinds) == 2 and (
+        prim == "mul" or kinds[0] == logits[0]):
+      i = 1 - kinds.index(logits[0])
+      c = None if kinds[i] is not None else _constant(jaxpr, eqn.invars[i])
+      if c is None:
+        return f"it multiplies the product by an array that is not a constant ({prim})"
+      tag = logits[0]
+      tags[out[0]] = (tag[0], tag[1] * c if prim == "mul" else tag[1] / c) + tag[2:]
+    else:
+      named = sorted({"input" if k == "x" else "product" if isinstance(k, tuple) else "table"
+                      for k in kinds if k})
+      return f"it applies {prim} to the {' and '.join(named)}"
+  return ""
+
+
+def _named(stats: embed.EmbedStats, table: str) -> Any:
+  """``stats`` for a table named ``embedding``, else as :class:`LookupStats` naming it."""
+  if table == "embedding":
+    return stats
+  return LookupStats(stats.inputs, stats.cotangents, stats.attend_inputs,
+                     stats.attend_cotangents, table=table)
 
 
 def rows_read(ids: jax.Array, wrapped: bool, mode: str, vocab: int) -> jax.Array:
@@ -238,29 +340,34 @@ def rows_read(ids: jax.Array, wrapped: bool, mode: str, vocab: int) -> jax.Array
 
 class Lookup(embed.Embed):
   """The ``'lookup'`` kind: a linen or NNX module of any class but Flax's whose own parameter is
-  one table ``(vocab, features)`` (:func:`own_table`) and whose call on integer ids is ``c *
-  table[ids]`` (:func:`layout`): the ``Embed`` of MaxText, T5X and flaxformer, a hand-written
+  one table ``(vocab, features)`` (:func:`own_table`) and whose calls on integer ids are ``c *
+  table[ids]``, and on floats ``h``, if any, the tied output ``c * h @ table.T``
+  (:func:`layout`): the ``Embed`` of MaxText, T5X and flaxformer (``__call__`` and
+  ``attend``), Gemma's ``Embedder`` (``encode`` and ``decode``), a hand-written
   ``self.param('wte', ...)[tokens]``. A module holding one array of rank 2 is tried as a
-  ``'matmul'`` and a ``'channel_affine'`` layer first; this kind plans its call when those list
-  it.
+  ``'matmul'`` and a ``'channel_affine'`` layer first; this kind plans its calls when those
+  list them. Every method of the module's own class that takes an input is intercepted
+  (``traced.layer_methods``); a call that does not read the table is no use of it.
 
   The curvature is the ``'embed'`` kind's (diagonal ``A`` of token counts, ``G`` from the
-  cotangents, folded with ``c``). A table named ``embedding`` gives
+  cotangents, folded with ``c``); the uses of a table looked up and applied as the tied output
+  are joined as ``nn.Embed``'s ``__call__`` and ``attend`` are (weight sharing, Eschenhagen et
+  al. 2023). A table named ``embedding`` gives
   :class:`~thor_optax._src.layers.embed.EmbedStats`, laid out by the ``'embed'`` kind from its
   shape; any other :class:`LookupStats`, laid out from the capture's statistics
   (``layers=thor_optax.captured_layers(stats)``).
 
-  Listed in ``CurvatureStats.unhandled`` instead of captured: a call that is not that lookup
-  (the reason names the first other use of the table), ids that are not integers, a tied use of
-  the table by another method (weight sharing), and as for ``'embed'``, scalar ids and a
-  module called more than once.
+  Listed in ``CurvatureStats.unhandled`` instead of captured: a call that reads the table
+  otherwise (the reason names the first other operation: a mask times the rows, a soft cap
+  ``tanh`` of the logits), a ``__call__`` whose input is not integer ids, and as for
+  ``'embed'``, scalar ids and uses inside a lifted transform.
 
   Raises:
     ValueError: at a check step, naming the layer, for statistics that are not
       :class:`LookupStats` of ids and cotangents that fit the table.
 
-  Source: Chen et al., THOR, AAAI 2021 (diagonal ``A``); this project (recognising the lookup
-  from the traced call).
+  Source: Chen et al., THOR, AAAI 2021 (diagonal ``A``); Eschenhagen et al., NeurIPS 2023
+  (tied uses); this project (recognising the lookup and the tied output from the traced call).
   """
 
   name = "lookup"
@@ -269,44 +376,73 @@ class Lookup(embed.Embed):
   nnx_modules = ()
   methods = ("__call__",)
   live_plan = True
-  shares_weights = False
+  shares_weights = True
   stacks_from_shapes = False
 
   def matches(self, module: Any) -> bool:
     """A bound linen module or an NNX module whose own parameter is one rank-2 table
-    (:func:`own_table`); whether its call is a lookup is the plan's question."""
+    (:func:`own_table`); whether its calls are lookups is the plan's question."""
     return not traced.tracing_alone() and own_table(module) is not None
 
+  def intercepts(self, module: Any, method: str) -> bool:
+    return method in traced.layer_methods(type(module))
+
   def plan_call(self, module, args, kwargs) -> base.Plan:
-    """Captured when the call's input is an array of integer ids with a batch axis, its other
-    arguments Python constants, and the call is the lookup (:func:`layout`)."""
-    ids = base.primary_input(args, kwargs)
-    if not isinstance(ids, jax.Array) or not jnp.issubdtype(ids.dtype, jnp.integer):
+    return self.plan_method(module, "__call__", args, kwargs)
+
+  def plan_method(self, module, method, args, kwargs) -> Optional[base.Plan]:
+    """A call of any method (:meth:`intercepts`) on an array with a batch axis, its other
+    arguments Python constants: a lookup on integer ids, the tied output on floats
+    (:func:`layout`); ``None`` for a method other than ``__call__`` that does not read the
+    table. A ``__call__`` on floats is listed (a product is the ``'matmul'`` kind's)."""
+    x = base.primary_input(args, kwargs)
+    ids = isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.integer)
+    if method == "__call__" and not ids:
       return base.Plan(None, f"{type(module).__name__} holds a table, but its input is not "
                        "an array of integer ids")
-    plan = self.plan(module, ("__call__",), jnp.shape(ids))
+    plan = self.plan(module, (method,), jnp.shape(x))
     if plan.meta is None:
       return plan
-    meta, why = layout(module, args, kwargs)
-    return base.Plan(meta, why)
+    meta, why = layout(module, args, kwargs, method)
+    return None if meta is None and not why else base.Plan(meta, why)
 
-  def make_stats(self, inputs, cotangents, *, table, scale, wrapped, mode, vocab) -> Any:
+  def join_plans(self, plans: list) -> base.Plan:
+    """One plan for all the calls when they agree; calls that read the table differently (a
+    lookup and its tied output, lookups scaled differently) joined, their :data:`Use` s one
+    per call in call order (``make_shared_stats``)."""
+    refused = next((p for p in plans if p.meta is None), None)
+    if refused is not None or not plans or all(p == plans[0] for p in plans):
+      return super().join_plans(plans)
+    return base.Plan(dict(plans[0].meta, uses=tuple(u for p in plans for u in p.meta["uses"])))
+
+  def make_stats(self, inputs, cotangents, *, table, vocab, uses) -> Any:
     """The rows read (:func:`rows_read` of the ids, so that ``A`` counts them) and the
-    cotangents times ``c``: ``EmbedStats`` for a table named ``embedding``, else
-    :class:`LookupStats` naming it."""
-    ids = rows_read(inputs, wrapped, mode, vocab)
-    g = cotangents * jnp.asarray(scale, cotangents.dtype)
-    if table == "embedding":
-      return embed.EmbedStats(inputs=ids, cotangents=g)
-    return LookupStats(inputs=ids, cotangents=g, table=table)
+    cotangents times ``c`` of the one lookup: ``EmbedStats`` for a table named ``embedding``,
+    else :class:`LookupStats` naming it."""
+    (_, scale, wrapped, mode), = uses
+    return _named(embed.EmbedStats(rows_read(inputs, wrapped, mode, vocab),
+                                   cotangents * jnp.asarray(scale, cotangents.dtype)), table)
+
+  def make_shared_stats(self, methods, inputs, cotangents, *, table, vocab, uses) -> Any:
+    """Every use as ``nn.Embed``'s: a lookup's rows read and cotangents times ``c``, a tied
+    output's input ``h`` and logit cotangents times ``c`` (``uses``: one :data:`Use` per call,
+    or one for all)."""
+    del methods
+    uses = uses * len(inputs) if len(uses) == 1 else uses
+    roles, xs, gs = [], [], []
+    for (role, scale, wrapped, mode), x, g in zip(uses, inputs, cotangents, strict=True):
+      roles.append("__call__" if role == "lookup" else "attend")
+      xs.append(rows_read(x, wrapped, mode, vocab) if role == "lookup" else x)
+      gs.append(g * jnp.asarray(scale, g.dtype))
+    return _named(super().make_shared_stats(tuple(roles), xs, gs), table)
 
   def per_loss_term(self, stats, num_terms, weight_sharing):
     """``'embed'``'s, keeping the statistics' type and table name."""
     folded = super().per_loss_term(stats, num_terms, weight_sharing)
     if not isinstance(stats, LookupStats):
       return folded
-    return LookupStats(folded.inputs, folded.cotangents, num_terms=folded.num_terms,
-                       table=stats.table)
+    return LookupStats(folded.inputs, folded.cotangents, folded.attend_inputs,
+                       folded.attend_cotangents, num_terms=folded.num_terms, table=stats.table)
 
   def claim(self, path, shapes) -> Optional[base.Claim]:
     """Never from shapes alone (a rank-2 leaf of another name is no table by its shape)."""

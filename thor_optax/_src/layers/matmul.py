@@ -415,6 +415,11 @@ class Matmul(einsum.Einsum):
     """A dense layer's: the input needs an example axis."""
     return dense.Dense.plan(self, module, methods, input_shape)
 
+  def intercepts(self, module: Any, method: str) -> bool:
+    """Any method of the module's own class taking an input (``traced.layer_methods``), so
+    that another kind of any class may plan it; this kind plans ``__call__``."""
+    return method in traced.layer_methods(type(module))
+
   def plan_call(self, module, args, kwargs) -> base.Plan:
     """Captured when the call's input is one array with an example axis, its other arguments
     Python constants (an einsum equation), and the module's call with them is the product

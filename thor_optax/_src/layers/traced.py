@@ -3,9 +3,10 @@
 Model libraries write their layers as modules of their own (a dense layer ``x @ self.w``, an
 ``Einsum`` module, an RMS norm ``x / rms(x) * (1 + scale)``): no Flax class says what such a
 module computes, so a kind that takes modules of any class (``matmul.py``,
-``channel_affine.py``) traces the module's call alone, on abstract values of its input, its
-parameters and its other collections (no FLOPs), and reads the jaxpr. This module holds what
-those kinds share: the module's own parameters, whether its ``__call__`` takes an input, the
+``channel_affine.py``, ``lookup.py``) traces the module's call alone, on abstract values of its
+input, its parameters and its other collections (no FLOPs), and reads the jaxpr. This module
+holds what those kinds share: the module's own parameters, which of its methods take an input
+(``__call__``, and those of its own class: Gemma's ``Embedder.encode`` and ``decode``), the
 trace itself, and the jaxpr primitives that are identities up to the dtype or calls whose body
 is read.
 
@@ -70,14 +71,10 @@ def nested_params(module: nnx.Module) -> bool:
              for path, node in nnx.iter_graph(module))
 
 
-@functools.lru_cache(maxsize=None)
-def takes_an_input(cls: type) -> bool:
-  """Whether ``cls`` defines a ``__call__`` that takes a positional argument besides ``self``
-  (its input; any others must be Python constants in each call, :func:`base.one_array_input`,
-  with which the call is traced)."""
-  call = next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
+def _takes_an_input(function: Any) -> bool:
+  """Whether ``function`` (a method) takes a positional argument besides ``self``."""
   try:
-    params = list(inspect.signature(call).parameters.values())[1:]
+    params = list(inspect.signature(function).parameters.values())[1:]
   except (TypeError, ValueError):
     return False
   return any(p.kind in (inspect.Parameter.POSITIONAL_ONLY,
@@ -85,12 +82,40 @@ def takes_an_input(cls: type) -> bool:
                         inspect.Parameter.VAR_POSITIONAL) for p in params)
 
 
+@functools.lru_cache(maxsize=None)
+def takes_an_input(cls: type) -> bool:
+  """Whether ``cls`` defines a ``__call__`` that takes a positional argument besides ``self``
+  (its input; any others must be Python constants in each call, :func:`base.one_array_input`,
+  with which the call is traced)."""
+  call = next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
+  return _takes_an_input(call)
+
+
+@functools.lru_cache(maxsize=None)
+def layer_methods(cls: type) -> tuple[str, ...]:
+  """The methods of ``cls`` through which a kind of any class may take a module's uses:
+  ``__call__`` when it takes an input (:func:`takes_an_input`), then the public methods
+  (names not starting with ``_``; not ``setup``) that its own classes, not Flax's, define as
+  plain functions taking an input (Gemma's embedder: ``encode``, ``decode``; MaxText's
+  ``Embed.attend``), in name order."""
+  names = {}
+  for c in cls.__mro__:
+    if c is object or c.__module__.split(".")[0] == "flax":
+      continue
+    for name, f in c.__dict__.items():
+      if (not name.startswith("_") and name != "setup" and inspect.isfunction(f)
+          and name not in names):
+        names[name] = _takes_an_input(f)
+  public = tuple(sorted(n for n, ok in names.items() if ok))
+  return (("__call__",) if takes_an_input(cls) else ()) + public
+
+
 def own_leaves(module: Any) -> Optional[dict]:
   """The own parameters of a module a kind of any class may take (:func:`own_params`): a bound
-  linen module or an NNX module whose ``__call__`` takes an input; ``None`` otherwise (a scope
-  Flax invalidated too). The kinds check the leaves' shapes, then NNX submodules' parameters
-  (:func:`nested_params`, last: it walks the graph)."""
-  if not takes_an_input(type(module)):
+  linen module or an NNX module with a method taking an input (:func:`layer_methods`);
+  ``None`` otherwise (a scope Flax invalidated too). The kinds check the leaves' shapes, then
+  NNX submodules' parameters (:func:`nested_params`, last: it walks the graph)."""
+  if not layer_methods(type(module)):
     return None
   if not isinstance(module, nnx.Module) and (
       not isinstance(module, nn.Module) or getattr(module, "scope", None) is None):
@@ -112,10 +137,10 @@ def _abstract(v: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
 
 
-def _traced_linen(module: nn.Module, names: list, args: tuple, kwargs: dict
+def _traced_linen(module: nn.Module, names: list, args: tuple, kwargs: dict, method: str
                   ) -> tuple[Any, Any]:
-  """``(closed jaxpr, output shape)`` of an unbound copy of a linen module applied to the
-  call's arguments, traced from ``(parameters named `names`..., the input x, other
+  """``(closed jaxpr, output shape)`` of an unbound copy of a linen module's ``method`` applied
+  to the call's arguments, traced from ``(parameters named `names`..., the input x, other
   collections)``, with a key for each random stream of the call."""
   params = own_params(module)
   others = nn.meta.unbox({col: v for col, v in module.variables.items() if col != "params"})
@@ -126,16 +151,17 @@ def _traced_linen(module: nn.Module, names: list, args: tuple, kwargs: dict
     rngs = {name: jax.random.key(0) for name in streams}
     xargs, xkwargs = base.with_input(args, kwargs, x)
     return copy.apply({"params": dict(zip(names, leaves)), **others}, *xargs, rngs=rngs,
-                      **xkwargs)
+                      method=method, **xkwargs)
 
   return jax.make_jaxpr(call, return_shape=True)(
       [_abstract(params[k]) for k in names], _abstract(base.primary_input(args, kwargs)),
       jax.tree.map(_abstract, others))
 
 
-def _traced_nnx(module: nnx.Module, names: list, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-  """``(closed jaxpr, output shape)`` of a copy of an NNX module called with the call's
-  arguments, traced from ``(parameters named `names`..., the input x, the module's other
+def _traced_nnx(module: nnx.Module, names: list, args: tuple, kwargs: dict, method: str
+                ) -> tuple[Any, Any]:
+  """``(closed jaxpr, output shape)`` of a copy of an NNX module's ``method`` called with the
+  call's arguments, traced from ``(parameters named `names`..., the input x, the module's other
   state)``."""
   graphdef, state = nnx.split(module)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -148,16 +174,18 @@ def _traced_nnx(module: nnx.Module, names: list, args: tuple, kwargs: dict) -> t
     for i, v in zip(own + rest, list(params) + list(others)):
       values[i] = v
     xargs, xkwargs = base.with_input(args, kwargs, x)
-    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))(*xargs,
-                                                                             **xkwargs)
+    copy = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
+    return getattr(copy, method)(*xargs, **xkwargs)
 
   return jax.make_jaxpr(call, return_shape=True)(
       [_abstract(leaves[i][1]) for i in own], _abstract(base.primary_input(args, kwargs)),
       [_abstract(leaves[i][1]) for i in rest])
 
 
-def trace_alone(module: Any, names: list, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-  """``(closed jaxpr, output shape)`` of ``module``'s call with arguments ``args``, ``kwargs``
+def trace_alone(module: Any, names: list, args: tuple, kwargs: dict,
+                method: str = "__call__") -> tuple[Any, Any]:
+  """``(closed jaxpr, output shape)`` of ``module``'s call of ``method`` (default: ``__call__``)
+  with arguments ``args``, ``kwargs``
   (one array, :func:`base.primary_input`, and Python constants), traced alone from
   ``(its parameters named `names`..., the input, its other collections or state)``, while no
   module matches a kind of any class (:func:`tracing_alone`).
@@ -168,14 +196,15 @@ def trace_alone(module: Any, names: list, args: tuple, kwargs: dict) -> tuple[An
   """
   with _alone():
     return (_traced_nnx if isinstance(module, nnx.Module) else _traced_linen)(
-        module, names, args, kwargs)
+        module, names, args, kwargs, method)
 
 
-def trace_or_reason(module: Any, names: list, args: tuple, kwargs: dict) -> tuple[Any, Any, str]:
+def trace_or_reason(module: Any, names: list, args: tuple, kwargs: dict,
+                    method: str = "__call__") -> tuple[Any, Any, str]:
   """``(closed jaxpr, output shape, '')`` of :func:`trace_alone`, or ``(None, None, why)`` when
   the call cannot be traced so (any exception: the kinds list the module with ``why``)."""
   try:
-    closed, shape = trace_alone(module, names, args, kwargs)
+    closed, shape = trace_alone(module, names, args, kwargs, method)
   except Exception as e:  # pylint: disable=broad-except  # any failure lists the module
     return None, None, (f"its call could not be traced alone on its input ({type(e).__name__}: "
                         f"{str(e)[:120]})")
