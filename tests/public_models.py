@@ -285,7 +285,8 @@ class MLPDataclassOutput(nn.Module):
 
 class TiedLM(nn.Module):
   """A token LM whose output projection is the input embedding's table, applied through
-  ``nn.Dense(V, use_bias=False).apply({'params': {'kernel': embedding.T}}, h)``."""
+  ``nn.Dense(V, use_bias=False).apply({'params': {'kernel': embedding.T}}, h)`` (Hugging
+  Face's Flax LM heads: the embedding's ``attend``, ``tied_outputs.py``)."""
 
   vocab_size: int = 16
   hidden_size: int = 16
@@ -810,7 +811,7 @@ LINEN_MODELS: dict[str, Case] = {c.name: c for c in [
          lambda out, y: softmax_ce(out.logits, y),
          frozenset({"dense", "head"}), {}, dict(num_loss_terms=16)),
     Case("tied_lm", TiedLM(), lambda: token_batch(6, 4, 6, 16), softmax_ce,
-         frozenset({"dense", "ln"}), {"embed": ".apply()"}),
+         frozenset({"embed", "dense", "ln"}), {}),
     Case("bare_dense", bare_dense(), lambda: classification_batch(7, (16, 6), 4), softmax_ce,
          frozenset({"(root)"}), {}, learning_rate=0.2),
     Case("std_conv", StdConvNet(), lambda: classification_batch(8, (8, 6, 6, 3), 4),

@@ -167,6 +167,117 @@ def test_nnx_tied_embedding_matches_linen():
                              _tied_reference(params, ids, y), rtol=0, atol=1e-12)
 
 
+class OwnTable(nn.Module):
+  """A table of one's own, ``wte``, looked up in ``__call__`` (the ``'lookup'`` kind)."""
+
+  @nn.compact
+  def __call__(self, ids):
+    return self.param("wte", nn.initializers.normal(1.0), (V, D))[ids]
+
+
+class HFTiedLM(nn.Module):
+  """:class:`TiedLM` as Hugging Face's Flax LM heads write it: the logits from ``nn.Dense(V,
+  use_bias=False)`` applied with ``.apply()`` to the table transposed (``FlaxGPT2LMHeadModule``,
+  ``FlaxBertLMPredictionHead``), the table read as an attribute or from ``self.variables``;
+  ``kernel`` says what the head is given instead (listed), ``lookup_after`` looks the ids up
+  once more after the head (a third use)."""
+
+  access: str = "attribute"
+  table: str = "embed"
+  kernel: str = "transposed"
+  lookup_after: bool = False
+
+  def setup(self):
+    self.emb = nn.Embed(V, D) if self.table == "embed" else OwnTable()
+    self.mix = nn.Dense(D)
+    self.lm_head = nn.Dense(V, use_bias=self.kernel == "with_bias")
+    if self.kernel == "with_bias":
+      self.head_bias = self.param("head_bias", nn.initializers.zeros_init(), (V,))
+
+  def __call__(self, ids):
+    h = jnp.tanh(self.mix(self.emb(ids)))
+    leaf = "embedding" if self.table == "embed" else "wte"
+    table = (self.emb.embedding if self.access == "attribute" and self.table == "embed"
+             else self.variables["params"]["emb"][leaf])
+    head = {"params": {"kernel": table.T}}
+    if self.kernel == "scaled":
+      head = {"params": {"kernel": 2.0 * table.T}}
+    elif self.kernel == "with_bias":
+      head["params"]["bias"] = self.head_bias
+    logits = self.lm_head.apply(head, h)
+    if self.lookup_after:
+      logits = logits + self.emb(ids)[..., :1]
+    return logits
+
+
+@pytest.mark.parametrize("access", ["attribute", "variables"])
+def test_hugging_face_tied_head_joins_lookup_and_attend(access):
+  """``Dense.apply({'params': {'kernel': embedding.T}}, h)`` is the embedding's ``attend``: the
+  update equals the hand-made tied reference's (before, the embedding was listed)."""
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, V, (N, T)))
+  y = jnp.asarray(np.random.default_rng(1).integers(0, V, (N, T)))
+  params = reference.init_params(TiedLM(), ids)
+  updates, _, stats = _update(HFTiedLM(access), params, ids, y, softmax_ce)
+  assert not stats.unhandled
+  assert stats.layers["emb"].attend_inputs.shape == (N * T, 1, D)
+  np.testing.assert_allclose(updates["emb"]["embedding"], _tied_reference(params, ids, y),
+                             rtol=0, atol=1e-12)
+
+
+def test_hugging_face_tied_head_of_a_table_of_ones_own():
+  """The same with a table of a module of one's own (``'lookup'`` kind, ``LookupStats``)."""
+  ids = jnp.asarray(np.random.default_rng(2).integers(0, V, (N, T)))
+  y = jnp.asarray(np.random.default_rng(3).integers(0, V, (N, T)))
+  params = reference.init_params(TiedLM(), ids)
+  own = {**params, "emb": {"wte": params["emb"]["embedding"]}}
+  (_, grads), stats = reference.capture(HFTiedLM(table="own"), softmax_ce)(own, ids, y)
+  assert not stats.unhandled
+  assert type(stats.layers["emb"]).__name__ == "LookupStats"
+  tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None,
+                                layers=thor_optax.captured_layers(stats))
+  updates, _ = tx.update(grads, tx.init(own), own, curvature_stats=stats)
+  np.testing.assert_allclose(updates["emb"]["wte"], _tied_reference(params, ids, y),
+                             rtol=0, atol=1e-12)
+
+
+def test_hugging_face_tied_head_joins_the_uses_in_call_order():
+  """A lookup after the head: three uses, perturbed in the order they run, as ``attend``'s."""
+  ids = jnp.asarray(np.random.default_rng(4).integers(0, V, (N, T)))
+  y = jnp.asarray(np.random.default_rng(5).integers(0, V, (N, T)))
+
+  class WithAttend(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      emb = nn.Embed(V, D, name="emb")
+      logits = emb.attend(jnp.tanh(nn.Dense(D, name="mix")(emb(ids))))
+      return logits + emb(ids)[..., :1]
+
+  params = reference.init_params(TiedLM(), ids)
+  got, _, stats = _update(HFTiedLM(lookup_after=True), params, ids, y, softmax_ce)
+  want, _, want_stats = _update(WithAttend(), params, ids, y, softmax_ce)
+  assert not stats.unhandled
+  for field in ("inputs", "cotangents", "attend_inputs", "attend_cotangents"):
+    np.testing.assert_allclose(getattr(stats.layers["emb"], field),
+                               getattr(want_stats.layers["emb"], field), rtol=0, atol=1e-13)
+  reference.assert_trees_close(got, want)
+
+
+@pytest.mark.parametrize("kernel", ["scaled", "with_bias"])
+def test_a_head_given_more_than_the_table_transposed_is_listed(kernel):
+  """``2 * embedding.T``, or a head given a bias of its own too: the embedding stays listed
+  (weight sharing through ``.apply()``), its gradient unchanged."""
+  ids = jnp.asarray(np.random.default_rng(6).integers(0, V, (N, T)))
+  y = jnp.asarray(np.random.default_rng(7).integers(0, V, (N, T)))
+  model = HFTiedLM(kernel=kernel)
+  params = reference.init_params(model, ids)
+  (_, grads), stats = reference.capture(model, softmax_ce)(params, ids, y)
+  reasons = dict(note.split(": ", 1) for note in stats.unhandled)
+  assert "emb" in reasons and ".apply()" in reasons["emb"], reasons
+  assert "emb" not in stats.layers
+  want = jax.grad(lambda p: softmax_ce(model.apply({"params": p}, ids), y))(params)
+  reference.assert_trees_close(grads, want)
+
+
 class TiedIntoHead(nn.Module):
   """An encoder whose kernel is read again into the input of a later layer (``head``), and a
   ``Dense`` subclass whose own method reads its kernel (``decode``): neither use reaches the

@@ -86,6 +86,7 @@ from thor_optax._src import attention_keys
 from thor_optax._src import layers as layers_lib
 from thor_optax._src import stats as stats_lib
 from thor_optax._src import step_sharing
+from thor_optax._src import tied_outputs
 from thor_optax._src.layers import base as layer_base
 from thor_optax._src.layers.base import one_array_input, primary_input
 
@@ -828,15 +829,18 @@ class _Context:
 def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tuple:
   """Calls, shapes and metadata of every registered kind's module (an abstract pass, no FLOPs).
 
-  Returns ``(calls, counts, foreign, transformed, keys)``: the :class:`Call`\\ s by module path; the
-  number of ``__call__`` calls of each captured-kind module with parameters per forward pass
-  (counted through the params channel, so a lifted scan's second trace of its body does not
-  count); ``{site: module class}`` of layers applied with ``.apply()`` inside the model; and
-  ``{module path: reason}`` of layers run inside ``nn.map_variables`` (``nn.WeightNorm``,
-  ``nn.SpectralNorm``), whose applied weight is a function of their parameter: listed; and
-  the paths of attention key projections, found from the pass's jaxpr
+  Returns ``(calls, counts, foreign, transformed, keys, tied)``: the :class:`Call`\\ s by
+  module path; the number of ``__call__`` calls of each captured-kind module with parameters
+  per forward pass (counted through the params channel, so a lifted scan's second trace of its
+  body does not count); ``{site: module class}`` of layers applied with ``.apply()`` inside
+  the model; ``{module path: reason}`` of layers run inside ``nn.map_variables``
+  (``nn.WeightNorm``, ``nn.SpectralNorm``), whose applied weight is a function of their
+  parameter: listed; the paths of attention key projections, found from the pass's jaxpr
   (``attention_keys.shift_invariant``: Flax's attention modules and attention written by
-  hand alike).
+  hand alike); and ``{k: embedding path}`` of the ``k``-th foreign call (of a registered
+  kind's ``__call__``) when it is that embedding's tied output, ``Dense.apply({'params':
+  {'kernel': embedding.T}}, h)`` (``tied_outputs.py``), which is then among the embedding's
+  calls as its ``attend``.
   """
   calls: dict[tuple[str, ...], list] = {}
   foreign: dict[str, str] = {}
@@ -844,14 +848,21 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
   marks = attention_keys.Marks()
   ctx = _Context({path: {k: tuple(v.shape) for k, v in leaves.items()}
                   for path, leaves in _module_leaves(params).items()})
+  applied: list[tied_outputs.Applied] = []  # the foreign calls (.apply() inside the model)
+  sequence: list = []  # (path, i) of the i-th noted call of a path, (None, k) of applied[k]
 
   def record(next_fun, args, kwargs, context):
     mod, method = context.module, context.method_name
     ctx.enter(mod)
     if ctx.foreign(mod):
-      if method == "__call__" and layers_lib.kind_of_module(mod) is not None:
-        foreign[ctx.site()] = type(mod).__name__
-      return next_fun(*args, **kwargs)
+      kind = layers_lib.kind_of_module(mod)
+      if method != "__call__" or kind is None:
+        return next_fun(*args, **kwargs)
+      foreign[ctx.site()] = type(mod).__name__
+      out = next_fun(*args, **kwargs)
+      applied.append(tied_outputs.of(mod, kind, args, kwargs, out, ctx.traced_apart()))
+      sequence.append((None, len(applied) - 1))
+      return out
     kind = layers_lib.kind_of_module(mod)
     if kind is not None and kind.live_plan and ctx.nested(mod, method, kind):
       return next_fun(*args, **kwargs)  # part of the module's outer call, its use
@@ -879,6 +890,7 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     stack, shared_over = place if place is not None else ((), "")
     note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over,
               lifted=mod.scope.root is not ctx.root, kind=kind, plan=plan)
+    sequence.append((tuple(mod.path), len(calls[tuple(mod.path)]) - 1))
     if place is not None and not shared_over and method == "__call__":
       seen = (mod.scope.get_variable("params", _CALLS)
               if mod.scope.has_variable("params", _CALLS) else jnp.zeros((0,)))
@@ -888,8 +900,11 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
       mod.scope.put_variable("params", _INPUTS, primary_input(args, kwargs))  # first use
     return out
 
-  closed, (outputs, mutated) = _trace_discovery(apply, record, ctx, params, model_state,
-                                                inputs)
+  closed, (outputs, mutated, _) = _trace_discovery(
+      apply, record, ctx, params, model_state, inputs,
+      lambda: [a.kernel for a in applied if a.kernel is not None])
+  linked = tied_outputs.link(closed.jaxpr, applied, params, calls, Call)
+  tied_outputs.in_call_order(calls, linked, sequence)
   keys = attention_keys.shift_invariant(
       closed.jaxpr, [i < len(outputs) for i in range(len(closed.jaxpr.outvars))], marks)
   counts = {path: _get(mutated, path)[_CALLS].shape[-1] for path in calls
@@ -900,7 +915,7 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
   for path, why in not_per_example(closed.jaxpr, (outputs, mutated), probes, given,
                                    batch_size(inputs)).items():
     transformed.setdefault(path, why)
-  return calls, counts, foreign, transformed, keys
+  return calls, counts, foreign, transformed, keys, {k: p for k, (p, _) in linked.items()}
 
 
 def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, method: str,
@@ -961,12 +976,14 @@ def _not_lifted_reason(mod: nn.Module, ctx: _Context) -> str:
 
 
 def _trace_discovery(apply: _Apply, record: Callable, ctx: _Context, params: Any,
-                     model_state: dict, inputs: Any) -> tuple[Any, Any]:
-  """``(closed jaxpr, (output shapes, mutated params shapes))`` of the discovery pass
-  ``model.apply`` under the interceptor ``record``, traced from ``(params, model_state,
+                     model_state: dict, inputs: Any, extra: Callable[[], list]
+                     ) -> tuple[Any, Any]:
+  """``(closed jaxpr, (output shapes, mutated params shapes, extra shapes))`` of the discovery
+  pass ``model.apply`` under the interceptor ``record``, traced from ``(params, model_state,
   inputs, the call's array keywords)``: the keywords (rngs: an input drawn from them is per
   example) are inputs too. The outputs are the model output's array leaves, the jaxpr's first
-  outputs."""
+  outputs, then the mutated params, then the arrays ``extra()`` gives after the pass (the
+  kernels of tied output projections, ``tied_outputs.link``), its last."""
   kw_leaves, kw_def = jax.tree.flatten(apply.kwargs)
   traced = [i for i, v in enumerate(kw_leaves) if isinstance(v, (jax.Array, np.ndarray))]
 
@@ -978,7 +995,8 @@ def _trace_discovery(apply: _Apply, record: Callable, ctx: _Context, params: Any
     with nn.intercept_methods(record):
       out, mutated = dataclasses.replace(apply, kwargs=kw_def.unflatten(leaves)).instrumented(
           {"params": p, **state}, x)
-    return [y for y in jax.tree.leaves(out) if isinstance(y, jax.Array)], mutated["params"]
+    return ([y for y in jax.tree.leaves(out) if isinstance(y, jax.Array)], mutated["params"],
+            extra())
 
   return jax.make_jaxpr(run, return_shape=True)(params, model_state, inputs,
                                                 [kw_leaves[i] for i in traced])
@@ -1032,22 +1050,28 @@ def _module_leaves(params: Any) -> dict[tuple[str, ...], dict]:
 
 
 def _shared_with_apply(apply: _Apply, params: Any, model_state: dict, inputs: Any,
-                       foreign: Mapping[str, str]) -> dict[tuple[str, ...], str]:
-  """Modules whose parameters feed a layer applied with ``.apply()`` inside the model (the
-  tied-embedding pattern ``Dense.apply({'params': {'kernel': embedding.T}}, x)``): found by
+                       foreign: Mapping[str, str], tied: Collection[int] = ()
+                       ) -> dict[tuple[str, ...], str]:
+  """Modules whose parameters feed a layer applied with ``.apply()`` inside the model (a
+  layer fed a model parameter, ``Dense.apply({'params': {'kernel': w}}, x)``): found by
   following the data flow of the traced model from each parameter to those layers'
-  variables."""
+  variables. ``tied``: the indices of the foreign calls (of registered kinds' ``__call__``)
+  that are an embedding's tied output (``_discover``), whose variables are left out."""
   if not foreign:
     return {}
   ctx = _Context({})
 
   def used(p):
     found = []
+    count = [0]  # foreign calls of registered kinds, as _discover counts them
 
     def grab(next_fun, args, kwargs, context):
       ctx.enter(context.module)
       if ctx.foreign(context.module) and context.method_name == "__call__":
-        found.append(context.module.variables.get("params", {}))
+        registered = layers_lib.kind_of_module(context.module) is not None
+        count[0] += registered
+        if not (registered and count[0] - 1 in tied):
+          found.append(context.module.variables.get("params", {}))
       return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(grab):
@@ -1195,7 +1219,8 @@ def _with_channels(params: Any, perts: Mapping[tuple[str, ...], Any]) -> Any:
 
 def _forward(apply: _Apply, model_state: dict, inputs: Any,
              normalized: Mapping[tuple[str, ...], tuple[layer_base.LayerKind, dict]],
-             shared: Mapping[tuple[str, ...], frozenset], params: Any,
+             shared: Mapping[tuple[str, ...], frozenset],
+             tied: Mapping[int, tuple[str, ...]], params: Any,
              perts: dict) -> tuple[Any, tuple[dict, Any]]:
   """The forward pass that records captured layers' inputs and perturbs their outputs.
 
@@ -1208,8 +1233,12 @@ def _forward(apply: _Apply, model_state: dict, inputs: Any,
   come back as a tuple. A layer shared over a loop's iterations (``perts[path]`` a
   ``step_sharing.StepChannels``) reads its channels, loop invariants, from its ``params`` scope
   and attaches them to every iteration's output (``step_sharing.tap``); it records nothing.
+  The ``k``-th foreign call of a registered kind's ``__call__`` (a layer applied with
+  ``.apply()``) with ``k`` in ``tied`` is a use of the embedding ``tied[k]``, in this order
+  among its uses (its tied output, ``tied_outputs.py``).
   """
   ctx = _Context({})
+  applied = [0]  # foreign calls of registered kinds' __call__ so far, as _discover counts them
   steps = {p for p, z in perts.items() if isinstance(z, step_sharing.StepChannels)}
   in_clone = [False]  # the x_hat clone's own call passes through the interceptor
   used: dict[tuple[str, ...], list] = {p: [] for p in shared}
@@ -1219,6 +1248,13 @@ def _forward(apply: _Apply, model_state: dict, inputs: Any,
     mod = context.module
     ctx.enter(mod)
     path = tuple(mod.path)
+    if (ctx.foreign(mod) and not in_clone[0] and context.method_name == "__call__"
+        and layers_lib.kind_of_module(mod) is not None):
+      applied[0] += 1
+      if tied.get(applied[0] - 1) in used:  # an embedding's tied output
+        path = tied[applied[0] - 1]
+        used[path].append(primary_input(args, kwargs))
+        return next_fun(*args, **kwargs) + perts[path][len(used[path]) - 1]
     if (path in used and context.method_name in shared[path] and not in_clone[0]
         and not ctx.foreign(mod) and path not in using):
       i = len(used[path])
@@ -1367,10 +1403,11 @@ def value_and_grad_with_stats(
       raise ValueError("model_state holds the non-parameter collections; pass params "
                        "as the first argument.")
     apply = _Apply(model, mutable, apply_kwargs)
-    calls, counts, foreign, transformed, keys = one_input(
+    calls, counts, foreign, transformed, keys, tied = one_input(
         lambda: _discover(apply, params, model_state, inputs),
         "thor_optax.flax.value_and_grad_with_stats")
-    shared = {**_shared_with_apply(apply, params, model_state, inputs, foreign), **transformed}
+    shared = {**_shared_with_apply(apply, params, model_state, inputs, foreign, set(tied)),
+              **transformed}
 
     def zeroed(p):
       with nn.intercept_methods(_zeroed_calls(noted_methods(calls))):
@@ -1385,7 +1422,8 @@ def value_and_grad_with_stats(
     forward = functools.partial(
         _forward, apply, model_state, inputs,
         {p: (c["kind"], c["meta"]) for p, c in captured.items() if c["kind"].normalized_input},
-        {p: frozenset(u.method for u in c["uses"]) for p, c in captured.items() if c["uses"]})
+        {p: frozenset(u.method for u in c["uses"]) for p, c in captured.items() if c["uses"]},
+        tied)
     loss, grads, stats, mutated = vjp_with_stats(forward, params, captured, unhandled, loss_fn,
                                                  targets, rng, options)
     if not apply.returns_state:

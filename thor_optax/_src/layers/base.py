@@ -420,6 +420,17 @@ class LayerKind(abc.ABC):
     for a :attr:`live_plan` kind). Default: :meth:`plan` of the input's shape."""
     return self.plan(module, ("__call__",), jnp.shape(primary_input(args, kwargs)))
 
+  def transposed_use(self, leaf: str, shape: tuple[int, ...]
+                     ) -> Optional[tuple[str, Optional[Plan]]]:
+    """For a layer whose weight leaf ``leaf`` (of ``shape``) is given transposed, as the kernel,
+    to a ``nn.Dense`` applied with ``.apply()`` inside the model (Hugging Face's tied output
+    projection, ``tied_outputs.py``): ``(method, plan)`` as which that call joins the layer's
+    uses (``'attend'`` for an embedding; the plan of a :attr:`live_plan` kind, else
+    ``None``), or ``None`` (default) when the kind does not join such a use: the layer is then
+    listed (weight sharing)."""
+    del leaf, shape
+    return None
+
   def unit_affine(self, module: Any, dtype: jnp.dtype, meta: Mapping[str, Any]) -> Any:
     """For a :attr:`normalized_input` kind: a copy of ``module`` without its affine map, whose
     output is ``x_hat``, made before the layer's call; ``meta``: the layer's plan

@@ -154,6 +154,11 @@ class Embed(base.LayerKind):
       g = jnp.zeros(g_l.shape[:2] + (0, h.shape[-1]), h.dtype)
     return EmbedStats(ids, g, h, g_l)
 
+  def transposed_use(self, leaf, shape):
+    """The tied output ``h @ embedding.T`` of a ``Dense`` given the table transposed: an
+    ``attend`` use."""
+    return ("attend", None) if leaf == self.weight and len(shape) == 2 else None
+
   def per_loss_term(self, stats, num_terms, weight_sharing):
     """Expand always (a reduced one-hot input is not one token: ``A`` would not be
     diagonal)."""

@@ -406,6 +406,14 @@ class Lookup(embed.Embed):
     meta, why = layout(module, args, kwargs, method)
     return None if meta is None and not why else base.Plan(meta, why)
 
+  def transposed_use(self, leaf, shape):
+    """The tied output ``h @ table.T`` of a ``Dense`` given the table transposed: an
+    ``'attend'`` :data:`Use`."""
+    if len(shape) != 2:
+      return None
+    return "attend", base.Plan(dict(table=leaf, vocab=shape[0],
+                                    uses=(Use("attend", 1.0, False, ""),)))
+
   def join_plans(self, plans: list) -> base.Plan:
     """One plan for all the calls when they agree; calls that read the table differently (a
     lookup and its tied output, lookups scaled differently) joined, their :data:`Use` s one
