@@ -262,6 +262,42 @@ def test_hugging_face_tied_head_joins_the_uses_in_call_order():
   reference.assert_trees_close(got, want)
 
 
+class InnerNorm(nn.Module):
+  """A norm of one's own (the ``'channel_affine'`` kind) over a parameter-free ``nn.LayerNorm``:
+  traced alone at capture, its ``LayerNorm`` runs on a variable tree of its own."""
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],))
+    return nn.LayerNorm(use_scale=False, use_bias=False)(x) * scale
+
+
+class NormedHead(nn.Module):
+  hf: bool = True
+
+  def setup(self):
+    self.emb, self.norm, self.lm_head = nn.Embed(V, D), InnerNorm(), nn.Dense(V, use_bias=False)
+
+  def __call__(self, ids):
+    h = self.norm(self.emb(ids))
+    if self.hf:
+      return self.lm_head.apply({"params": {"kernel": self.emb.embedding.T}}, h)
+    return self.emb.attend(h)
+
+
+def test_hugging_face_tied_head_after_a_module_traced_alone():
+  """The copies the capture traces alone run modules of Flax's kinds on variable trees of their
+  own too; they are not the model's ``.apply()`` calls (before, they were counted among them
+  and the tied head was taken for another one: the embedding was listed)."""
+  ids = jnp.asarray(np.random.default_rng(8).integers(0, V, (N, T)))
+  y = jnp.asarray(np.random.default_rng(9).integers(0, V, (N, T)))
+  params = reference.init_params(NormedHead(), ids)
+  got, _, stats = _update(NormedHead(), params, ids, y, softmax_ce)
+  want, _, _ = _update(NormedHead(hf=False), params, ids, y, softmax_ce)
+  assert not stats.unhandled and set(stats.layers) == {"emb", "norm"}
+  reference.assert_trees_close(got, want)
+
+
 @pytest.mark.parametrize("kernel", ["scaled", "with_bias"])
 def test_a_head_given_more_than_the_table_transposed_is_listed(kernel):
   """``2 * embedding.T``, or a head given a bias of its own too: the embedding stays listed

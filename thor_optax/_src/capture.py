@@ -88,6 +88,7 @@ from thor_optax._src import stats as stats_lib
 from thor_optax._src import step_sharing
 from thor_optax._src import tied_outputs
 from thor_optax._src.layers import base as layer_base
+from thor_optax._src.layers import traced
 from thor_optax._src.layers.base import one_array_input, primary_input
 
 FISHER_TYPES = ("empirical", "sampled", "exact")
@@ -856,8 +857,8 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     ctx.enter(mod)
     if ctx.foreign(mod):
       kind = layers_lib.kind_of_module(mod)
-      if method != "__call__" or kind is None:
-        return next_fun(*args, **kwargs)
+      if method != "__call__" or kind is None or traced.tracing_alone():
+        return next_fun(*args, **kwargs)  # (a module traced alone is a copy of the model's)
       foreign[ctx.site()] = type(mod).__name__
       out = next_fun(*args, **kwargs)
       applied.append(tied_outputs.of(mod, kind, args, kwargs, out, ctx.traced_apart()))
