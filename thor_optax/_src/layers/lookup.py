@@ -36,7 +36,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from flax import nnx
 import jax
@@ -183,49 +183,79 @@ def _ids_step(eqn: Any, kinds: list, vocab: int) -> Optional[str]:
 _MODES = {"PROMISE_IN_BOUNDS": "clip", "CLIP": "clip", "FILL_OR_DROP": "drop"}
 
 
-def _walk(jaxpr: Any, tags: dict, ids_shape: tuple, vocab: int) -> str:
-  """Tags the values of ``jaxpr`` derived from the table (``'table'``: itself, up to casts;
-  ``('rows', c, wrapped, mode)``: its rows looked up by the ids, times the constant ``c``, the
-  ids' negative ones ``wrapped`` or not, those out of range clipped or dropped, ``mode``) and
-  from the ids (:func:`_ids_step`); returns the other operation on them (``''``: none). Bodies
-  of calls (``jnp.take``'s ``jit``) are walked."""
+def _walked(jaxpr: Any, tags: dict, step: Callable[[Any, Any, list, dict], str]) -> str:
+  """Runs ``step(jaxpr, eqn, tags of its operands, tags)`` on every equation of ``jaxpr`` that
+  reads a tagged value (``tags``: ``{var: tag}``, filled by ``step``), the bodies of calls
+  (``jnp.take``'s ``jit``) walked the same way; returns the first reason ``step`` gives for an
+  operation it does not take (``''``: none)."""
   for eqn in jaxpr.eqns:
     kinds = [tags.get(v) if isinstance(v, jax.extend.core.Var) else None for v in eqn.invars]
     if not any(kinds):
       continue
-    prim, out = eqn.primitive.name, eqn.outvars
-    rows = [k for k in kinds if isinstance(k, tuple)]
     if traced.is_call(eqn):
-      why = traced.walk_call(eqn, kinds, tags,
-                             lambda body, sub: _walk(body, sub, ids_shape, vocab))
-      if why:
-        return why
-    elif "table" not in kinds and not rows:
+      why = traced.walk_call(eqn, kinds, tags, lambda body, sub: _walked(body, sub, step))
+    else:
+      why = step(jaxpr, eqn, kinds, tags)
+    if why:
+      return why
+  return ""
+
+
+def _float_cast(eqn: Any) -> bool:
+  """Whether ``eqn`` casts to a float of at least 2 bytes (an identity up to the dtype)."""
+  dtype = eqn.outvars[0].aval.dtype
+  return (eqn.primitive.name in traced.CASTS and jnp.issubdtype(dtype, jnp.floating)
+          and jnp.dtype(dtype).itemsize >= 2)
+
+
+def _scaled(jaxpr: Any, eqn: Any, kinds: list, tags: dict, what: str) -> Optional[str]:
+  """For ``mul`` / ``div`` of one tagged tuple ``(role, c, ...)`` (``what``: its name in the
+  reason) by a constant (:func:`_constant`): tags the output ``(role, c * k or c / k, ...)``
+  and returns ``''``; the reason for another array; ``None`` when ``eqn`` is no such
+  product."""
+  tuples = [k for k in kinds if isinstance(k, tuple)]
+  prim = eqn.primitive.name
+  if not (prim in ("mul", "div") and len(tuples) == 1 and len(kinds) == 2
+          and (prim == "mul" or kinds[0] == tuples[0])):
+    return None
+  i = 1 - kinds.index(tuples[0])
+  c = None if kinds[i] is not None else _constant(jaxpr, eqn.invars[i])
+  if c is None:
+    return f"it multiplies the {what} by an array that is not a constant ({prim})"
+  tag = tuples[0]
+  tags[eqn.outvars[0]] = (tag[0], tag[1] * c if prim == "mul" else tag[1] / c) + tag[2:]
+  return ""
+
+
+def _lookup_step(ids_shape: tuple, vocab: int) -> Callable[[Any, Any, list, dict], str]:
+  """The :func:`_walked` step of a lookup: tags the values derived from the table
+  (``'table'``: itself, up to casts; ``('rows', c, wrapped, mode)``: its rows looked up by the
+  ids, times the constant ``c``, the ids' negative ones ``wrapped`` or not, those out of range
+  clipped or dropped, ``mode``) and from the ids (:func:`_ids_step`)."""
+
+  def step(jaxpr, eqn, kinds, tags):
+    prim, out = eqn.primitive.name, eqn.outvars
+    if "table" not in kinds and not any(isinstance(k, tuple) for k in kinds):
       other = next((k for k in kinds if str(k).startswith("f(ids)")), f"f(ids) {prim}")
       for v in out:  # another function of the ids (a mask, shifted ids), named by its first op
         tags[v] = _ids_step(eqn, kinds, vocab) or other
-    elif prim in traced.CASTS and jnp.issubdtype(out[0].aval.dtype, jnp.floating) \
-        and jnp.dtype(out[0].aval.dtype).itemsize >= 2:
+    elif _float_cast(eqn):
       tags[out[0]] = kinds[0]
     elif prim == "gather" and kinds[0] == "table" and kinds[1] in ("ids", "ids~") \
         and _is_row_gather(eqn, ids_shape) and eqn.params["mode"].name in _MODES:
       tags[out[0]] = ("rows", 1.0, kinds[1] == "ids~", _MODES[eqn.params["mode"].name])
     elif prim == "gather" and kinds[0] == "table" and str(kinds[1]).startswith("f(ids)"):
       return f"it looks rows up by a function of the ids ({kinds[1][7:]})"
-    elif prim in ("mul", "div") and len(rows) == 1 and len(kinds) == 2 and (
-        prim == "mul" or kinds[0] == rows[0]):
-      i = 1 - kinds.index(rows[0])
-      other = eqn.invars[i]
-      c = None if kinds[i] is not None else _constant(jaxpr, other)
-      if c is None:
-        return f"it multiplies the rows by an array that is not a constant ({prim})"
-      tag, scale = rows[0], rows[0][1]
-      tags[out[0]] = (tag[0], scale * c if prim == "mul" else scale / c) + tag[2:]
     else:
-      named = sorted({k if k == "table" else "rows" if isinstance(k, tuple) else "ids"
-                      for k in kinds if k})
-      return f"it applies {prim} to the {' and '.join(named)}"
-  return ""
+      why = _scaled(jaxpr, eqn, kinds, tags, "rows")
+      if why is None:
+        named = sorted({k if k == "table" else "rows" if isinstance(k, tuple) else "ids"
+                        for k in kinds if k})
+        why = f"it applies {prim} to the {' and '.join(named)}"
+      return why
+    return ""
+
+  return step
 
 
 def _reads(jaxpr: Any, var: Any) -> bool:
@@ -255,8 +285,8 @@ def layout(module: Any, args: tuple, kwargs: dict, method: str = "__call__"
   ids = jnp.issubdtype(jnp.result_type(x), jnp.integer)
   tags = {jaxpr.invars[0]: "table", jaxpr.invars[1]: "ids" if ids else "x"}
   try:
-    why = (_walk(jaxpr, tags, jnp.shape(x), vocab) if ids
-           else _walk_attend(jaxpr, tags, jnp.shape(x), vocab))
+    step = (_lookup_step if ids else _attend_step)(jnp.shape(x), vocab)
+    why = _walked(jaxpr, tags, step)
   except Exception as e:  # pylint: disable=broad-except  # an unforeseen form lists the module
     why = f"its jaxpr could not be read ({type(e).__name__}: {str(e)[:120]})"
   out = tags.get(jaxpr.outvars[0]) if isinstance(jaxpr.outvars[0], jax.extend.core.Var) \
@@ -275,26 +305,17 @@ def layout(module: Any, args: tuple, kwargs: dict, method: str = "__call__"
   return dict(table=name, vocab=vocab, uses=(use,)), ""
 
 
-def _walk_attend(jaxpr: Any, tags: dict, x_shape: tuple, vocab: int) -> str:
-  """Tags the values of ``jaxpr`` derived from the table (``'table'``, ``'table.T'``: itself
-  or transposed, up to casts) and from the input ``h`` (``'x'``, up to casts), and the tied
-  output ``('attend', c, False, '')``: ``c`` times the product of ``h`` (first operand) and
-  the table, contracting ``h``'s last axis with the table's features (``jnp.dot(h,
-  table.T)``, ``jnp.einsum('...d,vd->...v', h, table)``), output ``h.shape[:-1] +
-  (vocab,)``; returns the other operation on them (``''``: none)."""
-  for eqn in jaxpr.eqns:
-    kinds = [tags.get(v) if isinstance(v, jax.extend.core.Var) else None for v in eqn.invars]
-    if not any(kinds):
-      continue
+def _attend_step(x_shape: tuple, vocab: int) -> Callable[[Any, Any, list, dict], str]:
+  """The :func:`_walked` step of a tied output: tags the values derived from the table
+  (``'table'``, ``'table.T'``: itself or transposed, up to casts) and from the input ``h``
+  (``'x'``, up to casts), and the tied output ``('attend', c, False, '')``: ``c`` times the
+  product of ``h`` (first operand) and the table, contracting ``h``'s last axis with the
+  table's features (``jnp.dot(h, table.T)``, ``jnp.einsum('...d,vd->...v', h, table)``),
+  output ``h.shape[:-1] + (vocab,)``."""
+
+  def step(jaxpr, eqn, kinds, tags):
     prim, out = eqn.primitive.name, eqn.outvars
-    logits = [k for k in kinds if isinstance(k, tuple)]
-    if traced.is_call(eqn):
-      why = traced.walk_call(eqn, kinds, tags,
-                             lambda body, sub: _walk_attend(body, sub, x_shape, vocab))
-      if why:
-        return why
-    elif prim in traced.CASTS and jnp.issubdtype(out[0].aval.dtype, jnp.floating) \
-        and jnp.dtype(out[0].aval.dtype).itemsize >= 2:
+    if _float_cast(eqn):
       tags[out[0]] = kinds[0]
     elif prim == "transpose" and kinds == ["table"] and tuple(eqn.params["permutation"]) == (1, 0):
       tags[out[0]] = "table.T"
@@ -305,19 +326,16 @@ def _walk_attend(jaxpr: Any, tags: dict, x_shape: tuple, vocab: int) -> str:
           or tuple(rb) or tuple(out[0].aval.shape) != tuple(x_shape[:-1]) + (vocab,)):
         return "it multiplies the input and the table along other axes"
       tags[out[0]] = ("attend", 1.0, False, "")
-    elif prim in ("mul", "div") and len(logits) == 1 and len(kinds) == 2 and (
-        prim == "mul" or kinds[0] == logits[0]):
-      i = 1 - kinds.index(logits[0])
-      c = None if kinds[i] is not None else _constant(jaxpr, eqn.invars[i])
-      if c is None:
-        return f"it multiplies the product by an array that is not a constant ({prim})"
-      tag = logits[0]
-      tags[out[0]] = (tag[0], tag[1] * c if prim == "mul" else tag[1] / c) + tag[2:]
     else:
-      named = sorted({"input" if k == "x" else "product" if isinstance(k, tuple) else "table"
-                      for k in kinds if k})
-      return f"it applies {prim} to the {' and '.join(named)}"
-  return ""
+      why = _scaled(jaxpr, eqn, kinds, tags, "product")
+      if why is None:
+        named = sorted({"input" if k == "x" else "product" if isinstance(k, tuple) else "table"
+                        for k in kinds if k})
+        why = f"it applies {prim} to the {' and '.join(named)}"
+      return why
+    return ""
+
+  return step
 
 
 def _named(stats: embed.EmbedStats, table: str) -> Any:
