@@ -344,6 +344,68 @@ def test_exact_softmax_fisher():
   np.testing.assert_allclose(kron, F, rtol=1e-10, atol=1e-13)
 
 
+class TokenHead(nn.Module):
+  """A dense head per position: outputs ``(N, T, K)``."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3, name="head")(x)
+
+
+def _masked_problem():
+  """``(N, T)`` tokens of which the loss drops three (padding), a masked mean over the rest."""
+  mask = np.ones((3, 4))
+  mask[0, 2:] = 0
+  mask[2, 3] = 0
+  x = jnp.asarray(randn(30, (3, 4, 5)))
+  y = jnp.asarray(np.random.default_rng(31).integers(0, 3, (3, 4)))
+  return TokenHead(), init_params(TokenHead(), x), x, y, mask
+
+
+@pytest.mark.parametrize("likelihood", ["softmax_cross_entropy", "squared_error"])
+def test_exact_fisher_sums_over_the_positions_the_loss_reads(likelihood):
+  """A masked loss (padding): the exact Fisher's ``G`` sums over the ``M`` positions the loss
+  reads (softmax: ``diag p - p p^T``; squared error: the identity), not over every position
+  (before: 31% too large for the softmax here). For the squared error, targets equal to the
+  outputs at one read position (a zero gradient there) keep it counted."""
+  model, params, x, y, mask = _masked_problem()
+  m = int(mask.sum())
+  out = np.asarray(model.apply({"params": params}, x))
+  if likelihood == "softmax_cross_entropy":
+    def loss(o, t):
+      ce = -jnp.take_along_axis(jax.nn.log_softmax(o), t[..., None], -1)[..., 0]
+      return jnp.sum(ce * mask) / m
+    probs = _softmax(out).reshape(-1, 3)
+    g_ref = sum(np.diag(q) - np.outer(q, q) for q, k in zip(probs, mask.reshape(-1)) if k) / m
+  else:
+    y = jnp.asarray(out + randn(32, out.shape)).at[1, 1].set(out[1, 1])  # an exact fit at a
+
+    def loss(o, t):  # read position
+      return 0.5 * jnp.sum(jnp.sum((o - t) ** 2, -1) * mask) / m
+    g_ref = np.eye(3)
+  (_, grads), stats = reference.capture(model, loss, fisher_type="exact", likelihood=likelihood,
+                                        num_loss_terms=m)(params, x, y)
+  g_rows = np.asarray(stats.layers["head"].cotangents).reshape(-1, 3)
+  np.testing.assert_allclose(g_rows.T @ g_rows / m, g_ref, rtol=0, atol=1e-12)
+  dropped = np.asarray(stats.layers["head"].cotangents)[:, mask == 0]
+  assert dropped.shape[1] == 3 and not np.any(dropped)
+
+
+def test_sampled_fisher_draws_nothing_at_dropped_positions():
+  model, params, x, y, mask = _masked_problem()
+
+  def loss(o, t):
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(o), t[..., None], -1)[..., 0]
+    return jnp.sum(ce * mask) / mask.sum()
+
+  _, stats = reference.capture(model, loss, fisher_type="sampled", num_samples=4,
+                               likelihood="softmax_cross_entropy",
+                               num_loss_terms=int(mask.sum()))(params, x, y,
+                                                               rng=jax.random.PRNGKey(0))
+  cts = np.asarray(stats.layers["head"].cotangents)
+  assert not np.any(cts[:, mask == 0]) and np.all(np.any(cts[:, mask == 1] != 0, axis=-1))
+
+
 # ------------------------------------------------------------------------------------------------
 # Unsupported modules.
 

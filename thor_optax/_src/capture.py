@@ -189,6 +189,25 @@ def output_cotangents(outputs: jax.Array, dloss: jax.Array, num_terms: int, fish
   return ct.astype(outputs.dtype)
 
 
+def used_positions(loss_fn: Callable[[Any, Any], jax.Array], outputs: jax.Array, targets: Any,
+                   dloss: jax.Array) -> jax.Array:
+  """``(N, ..., 1)`` booleans: the output positions the loss reads, for the sampled and exact
+  Fisher, whose cotangents are drawn or enumerated at every position whatever the loss: a
+  position the loss drops (padding, a masked token, an LM's last position) has a gradient of
+  exactly zero in every output, ``dloss``, and also at outputs moved by a fixed perturbation
+  (which tells it from a term whose gradient happens to vanish, an exact fit of a squared
+  error or a saturated softmax). Those positions' cotangents are zeroed, so that ``G`` sums
+  over the loss's own terms (weights other than 0 and 1 are not read).
+
+  Source: this project; the Fisher of a loss of ``M`` terms sums over those terms (Martens &
+  Grosse, ICML 2015, section 5).
+  """
+  moved = outputs + jax.random.normal(jax.random.key(0), outputs.shape, outputs.dtype)
+  _, probe = loss_and_output_cotangents(loss_fn, moved, targets)
+  return (jnp.any(dloss != 0, axis=-1, keepdims=True)
+          | jnp.any(probe != 0, axis=-1, keepdims=True))
+
+
 @dataclasses.dataclass(frozen=True)
 class FisherOptions:
   """The Fisher options of a capture, validated on construction.
@@ -693,6 +712,7 @@ def vjp_with_stats(
           "fisher_type='empirical', or capture a wrapper module that returns the logits.")
     out_cts = output_cotangents(outputs, dloss, per_term, options.fisher_type,
                                 options.likelihood, options.num_samples, rng)
+    out_cts = out_cts * used_positions(loss_fn, outputs, targets, dloss).astype(out_cts.dtype)
     cts = jax.vmap(lambda ct: vjp_fn(ct)[1])(out_cts)
   stats = _curvature_stats(captured, unhandled, layer_inputs, cts, num_terms, per_term,
                            options.weight_sharing, options.fisher_type == "empirical")
