@@ -17,6 +17,9 @@ import numpy as np
 import pytest
 
 
+import thor_optax
+import thor_optax.nnx
+
 import reference
 from reference import F64, softmax_ce
 from reference import float64_mode  # noqa: F401  pylint: disable=unused-import (autouse fixture)
@@ -440,3 +443,104 @@ def test_a_method_that_is_more_than_the_tied_output_is_listed(cls):
   assert NOT_A_TIED_OUTPUT[cls] in reason, reason
   want = jax.grad(lambda p: softmax_ce(Model().apply({"params": p}, x), y))(params)
   reference.assert_trees_close(grads, want)
+
+
+class BiasedDecode(GemmaEmbedder):
+  """``decode`` with an optional bias array, and methods calling the table otherwise."""
+
+  def decode(self, x, bias=None):
+    out = jnp.dot(x, self.table.T)
+    return out if bias is None else out + bias
+
+  def head(self, h, bias):  # two arrays: no use of its own; decode runs inside it
+    return self.decode(h) + bias
+
+  def embed(self, x):  # a lookup on ids, the input itself on floats (reads no table)
+    return self.table[x] if jnp.issubdtype(x.dtype, jnp.integer) else x * 1.0
+
+
+class HiddenDecode(GemmaEmbedder):
+
+  def decode(self, hidden):  # an input keyword the capture does not read as the input
+    return jnp.dot(hidden, self.table.T)
+
+
+class OtherCalls(nn.Module):
+  """``decode(h)`` noted as the tied output, then the same method called in a way the capture
+  does not take for a use: with a bias array, by a keyword it does not read as the input,
+  inside a method on two arrays; or ``embed`` on floats, which reads no table."""
+
+  case: str
+
+  @nn.compact
+  def __call__(self, ids):
+    e = (HiddenDecode if self.case == "keyword" else BiasedDecode)(name="emb")
+    if self.case == "reads_no_table":
+      h = e.embed(nn.Dense(D, name="mix", param_dtype=F64)(jnp.tanh(e.embed(ids))))
+      return e.decode(h)
+    h = jnp.tanh(nn.Dense(D, name="mix", param_dtype=F64)(e.encode(ids)))
+    bias = jnp.full((V,), 0.1, F64)
+    second = {"bias_array": lambda: e.decode(jnp.tanh(h), bias),
+              "keyword": lambda: e.decode(hidden=jnp.tanh(h)),
+              "inside_head": lambda: e.head(jnp.tanh(h), bias)}[self.case]()
+    return e.decode(h) + second
+
+
+@pytest.mark.parametrize("case", ["bias_array", "keyword", "inside_head", "reads_no_table"])
+def test_calls_of_a_use_method_that_are_no_use_keep_the_uses_in_order(case):
+  """Every call of a use method is matched to the discovery pass's decision for it (before:
+  counted as the next use by its name, an IndexError or a shape error). A call on two arrays
+  or inside another method reads the table outside the noted uses: the module is listed, its
+  gradient unchanged; a call that reads no table is no use: the module is captured as
+  ``nn.Embed`` with its ``attend``."""
+  x, y = _tied_batch(6)
+  params = reference.init_params(OtherCalls(case), x)
+  (_, grads), stats = reference.capture(OtherCalls(case), softmax_ce)(params, x, y)
+  want_grads = jax.grad(lambda p: softmax_ce(OtherCalls(case).apply({"params": p}, x), y))(
+      params)
+  reference.assert_trees_close(grads, want_grads)
+  if case != "reads_no_table":
+    (reason,) = stats.unhandled
+    assert reason.startswith("emb: ") and "outside the layer's own calls" in reason, reason
+    return
+
+  class Reference(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      emb = nn.Embed(V, D, name="emb", param_dtype=F64)
+      return emb.attend(nn.Dense(D, name="mix", param_dtype=F64)(jnp.tanh(emb(ids))))
+
+  assert stats.unhandled == ()
+  got, _, _ = reference.captured_update(OtherCalls(case), params, x, y, softmax_ce,
+                                        TRANSFORMS["kfac"], captured=True)
+  want, _, _ = reference.captured_update(Reference(), _as_embed(params, "input_embedding"), x,
+                                         y, softmax_ce, TRANSFORMS["kfac"])
+  reference.assert_trees_close(_as_embed(got, "input_embedding"), want)
+
+
+class NnxBiasedDecode(NnxEmbedder):
+
+  def decode(self, x, bias=None):
+    out = jnp.dot(x, self.input_embedding[...].T)
+    return out if bias is None else out + bias
+
+
+def test_nnx_call_of_a_use_method_that_is_no_use_is_listed():
+  """NNX: ``decode(h)`` and ``decode(h2, bias_array)``: listed (before: an IndexError)."""
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.emb = NnxBiasedDecode(rngs)
+      self.mix = nnx.Linear(D, D, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, ids):
+      h = jnp.tanh(self.mix(self.emb.encode(ids)))
+      return self.emb.decode(h) + self.emb.decode(jnp.tanh(h), jnp.full((V,), 0.1, F64))
+
+  x, y = _tied_batch(7)
+  model = Net(nnx.Rngs(0))
+  (_, grads), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(model, x, y)
+  (reason,) = stats.unhandled
+  assert reason.startswith("emb: ") and "outside the layer's own calls" in reason, reason
+  want = nnx.grad(lambda m: softmax_ce(m(x), y))(model)
+  reference.assert_trees_close(nnx.to_pure_dict(grads), nnx.to_pure_dict(want))

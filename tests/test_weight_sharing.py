@@ -298,6 +298,44 @@ def test_hugging_face_tied_head_after_a_module_traced_alone():
   reference.assert_trees_close(got, want)
 
 
+class AutoEncoder(nn.Module):
+  """A decoder ``Dense.apply`` given the encoder's kernel transposed (tied autoencoder)."""
+
+  @nn.compact
+  def __call__(self, x):
+    enc = nn.Dense(3, name="enc")
+    z = jnp.tanh(enc(x))
+    return nn.Dense(x.shape[-1], use_bias=False).apply(
+        {"params": {"kernel": enc.variables["params"]["kernel"].T}}, z)
+
+
+@pytest.mark.parametrize("inner", ["hf_head", "autoencoder"])
+def test_an_apply_inside_a_lifted_transform_keeps_its_parameters_listed(inner):
+  """A layer applied with ``.apply()`` inside ``nn.remat``: the module whose parameter feeds it
+  is listed and its gradient is unchanged (before: the tracers of the remat body escaped the
+  data-flow check, and the embedding or encoder was captured from its own use alone, 0.9 off
+  its gradient's update)."""
+
+  class Outer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.remat(HFTiedLM if inner == "hf_head" else AutoEncoder)(name="inner")(x)
+
+  if inner == "hf_head":
+    x = jnp.asarray(np.random.default_rng(10).integers(0, V, (N, T)))
+    y = jnp.asarray(np.random.default_rng(11).integers(0, V, (N, T)))
+    loss, layer = softmax_ce, "emb"
+  else:
+    x = jnp.asarray(randn(12, (N, 6)))
+    y, loss, layer = jnp.asarray(randn(13, (N, 6))), squared_error, "enc"
+  params = reference.init_params(Outer(), x)
+  (_, grads), stats = reference.capture(Outer(), loss, num_loss_terms=N)(params, x, y)
+  reasons = dict(note.split(": ", 1) for note in stats.unhandled)
+  assert f"inner/{layer}" in reasons and "outside" in reasons[f"inner/{layer}"], reasons
+  want = jax.grad(lambda p: loss(Outer().apply({"params": p}, x), y))(params)
+  reference.assert_trees_close(grads, want)
+
+
 @pytest.mark.parametrize("kernel", ["scaled", "with_bias"])
 def test_a_head_given_more_than_the_table_transposed_is_listed(kernel):
   """``2 * embedding.T``, or a head given a bias of its own too: the embedding stays listed

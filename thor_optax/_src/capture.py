@@ -858,10 +858,13 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
   (``nn.WeightNorm``, ``nn.SpectralNorm``), whose applied weight is a function of their
   parameter: listed; the paths of attention key projections, found from the pass's jaxpr
   (``attention_keys.shift_invariant``: Flax's attention modules and attention written by
-  hand alike); and ``{k: embedding path}`` of the ``k``-th foreign call (of a registered
-  kind's ``__call__``) when it is that embedding's tied output, ``Dense.apply({'params':
-  {'kernel': embedding.T}}, h)`` (``tied_outputs.py``), which is then among the embedding's
-  calls as its ``attend``.
+  hand alike); ``{k: embedding path}`` of the ``k``-th foreign call (of a registered kind's
+  ``__call__``) when it is that embedding's tied output, ``Dense.apply({'params': {'kernel':
+  embedding.T}}, h)`` (``tied_outputs.py``), which is then among the embedding's calls as its
+  ``attend``; and ``{module path: (noted, ...)}``, for each call of a method its kind
+  intercepts, in the order the calls begin, whether it was noted in ``calls`` (a call inside
+  another of the same module, one on more than one array or one that reads no weight is not),
+  which the forward pass follows to find a shared layer's uses.
   """
   calls: dict[tuple[str, ...], list] = {}
   foreign: dict[str, str] = {}
@@ -871,6 +874,7 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
                   for path, leaves in _module_leaves(params).items()})
   applied: list[tied_outputs.Applied] = []  # the foreign calls (.apply() inside the model)
   sequence: list = []  # (path, i) of the i-th noted call of a path, (None, k) of applied[k]
+  noted: dict[tuple[str, ...], list] = {}  # per path, whether each intercepted call is noted
 
   def record(next_fun, args, kwargs, context):
     mod, method = context.module, context.method_name
@@ -885,6 +889,9 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
       sequence.append((None, len(applied) - 1))
       return out
     kind = layers_lib.kind_of_module(mod)
+    if kind is not None and kind.intercepts(mod, method):
+      slot = len(noted.setdefault(tuple(mod.path), []))
+      noted[tuple(mod.path)].append(False)
     if kind is not None and kind.live_plan and ctx.nested(mod, method, kind):
       return next_fun(*args, **kwargs)  # part of the module's outer call, its use
     ctx.stack.append(tuple(mod.path))
@@ -912,6 +919,7 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
     note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over,
               lifted=mod.scope.root is not ctx.root, kind=kind, plan=plan)
     sequence.append((tuple(mod.path), len(calls[tuple(mod.path)]) - 1))
+    noted[tuple(mod.path)][slot] = True
     if place is not None and not shared_over and method == "__call__":
       seen = (mod.scope.get_variable("params", _CALLS)
               if mod.scope.has_variable("params", _CALLS) else jnp.zeros((0,)))
@@ -936,7 +944,8 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
   for path, why in not_per_example(closed.jaxpr, (outputs, mutated), probes, given,
                                    batch_size(inputs)).items():
     transformed.setdefault(path, why)
-  return calls, counts, foreign, transformed, keys, {k: p for k, (p, _) in linked.items()}
+  return calls, counts, foreign, transformed, keys, {k: p for k, (p, _) in linked.items()}, {
+      path: tuple(flags) for path, flags in noted.items()}
 
 
 def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, method: str,
@@ -1166,36 +1175,60 @@ def _used_inputs(jaxpr: Any, outputs: Optional[Sequence[bool]] = None) -> Option
     return None
 
 
-def zeroed_output(module: Any, method: str, out: Any, inputs: Any = (),
-                  uses: Collection[str] = ()) -> Any:
-  """``out`` of a call, or, when it is a registered kind's method (one of its
-  :attr:`~layer_base.LayerKind.methods`, or of ``uses``: the methods of the module's calls the
-  discovery pass took for uses, a module of any class's ``decode``), zeros of its shape that
-  still depend on the call's ``inputs`` (its arguments): the forward pass of
-  :func:`used_outside_their_calls`, where a parameter must reach the outputs through its own
-  calls no more, while any other use upstream of a layer (a tied kernel read into a later
-  head's input) still does (linen and NNX interceptors)."""
-  kind = layers_lib.kind_of_module(module)
-  if kind is None or (method not in kind.methods and method not in uses):
-    return out
+def zeroed_output(out: Any, inputs: Any = ()) -> Any:
+  """Zeros of the shape of a call's output ``out`` that still depend on the call's ``inputs``
+  (its arguments): a use of a layer's weights in the forward pass of
+  :func:`used_outside_their_calls`, where a parameter must reach the outputs through its
+  layer's uses no more, while any other use upstream of a layer (a tied kernel read into a
+  later head's input) still does (linen and NNX interceptors, :class:`NotedCalls`)."""
   arrays = [x for x in jax.tree_util.tree_leaves(inputs) if isinstance(x, jax.Array)
             and (jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_))]
   keep = sum((0 * jnp.sum(x.astype(jnp.float32)) for x in arrays), jnp.float32(0))
   return jax.tree_util.tree_map(lambda o: jnp.zeros_like(o) + keep.astype(o.dtype), out)
 
 
-def noted_methods(calls: Mapping[tuple[Any, ...], Sequence[Call]]) -> dict:
-  """``{module path: {method, ...}}`` of the calls the discovery pass noted
-  (:func:`zeroed_output`'s ``uses``)."""
-  return {path: {c.method for c in seen} for path, seen in calls.items()}
+class NotedCalls:
+  """Which calls of a pass are the uses the discovery pass noted, call by call: each call of a
+  method its module's kind intercepts is the next of its path (``noted[path]``, in the order
+  the calls begin), and each ``.apply()`` of a registered kind's ``__call__`` inside the model
+  the next foreign call (``tied``: those that are an embedding's tied output). Another pass of
+  the same model sees the same calls in the same order."""
+
+  def __init__(self, noted: Mapping[Any, tuple[bool, ...]], tied: Mapping[int, Any]):
+    self.noted, self.tied = noted, tied
+    self.begun: dict = {}
+    self.applied = 0
+
+  def use(self, path: Any, mod: Any, method: str) -> bool:
+    """Whether this call of ``mod``'s ``method`` (at ``path``) is a noted use (counts it)."""
+    kind = layers_lib.kind_of_module(mod)
+    if kind is None or not kind.intercepts(mod, method):
+      return False
+    j = self.begun.get(path, 0)
+    self.begun[path] = j + 1
+    flags = self.noted.get(path, ())
+    return j < len(flags) and flags[j]
+
+  def tied_use(self, mod: Any, method: str) -> Optional[Any]:
+    """The path of the embedding whose tied output this foreign call (of a module applied with
+    ``.apply()``) is, or ``None`` (counts it)."""
+    if method != "__call__" or layers_lib.kind_of_module(mod) is None:
+      return None
+    self.applied += 1
+    return self.tied.get(self.applied - 1)
 
 
-def _zeroed_calls(uses: Mapping[tuple[Any, ...], Collection[str]]) -> Callable:
-  """A linen interceptor applying :func:`zeroed_output` (``uses``: :func:`noted_methods`)."""
+def _zeroed_calls(noted: NotedCalls) -> Callable:
+  """A linen interceptor applying :func:`zeroed_output` to the noted uses (``noted``)."""
+  ctx = _Context({})
 
   def intercept(next_fun, args, kwargs, context):
-    return zeroed_output(context.module, context.method_name, next_fun(*args, **kwargs),
-                         (args, kwargs), uses.get(tuple(context.module.path), ()))
+    mod, method = context.module, context.method_name
+    ctx.enter(mod)
+    use = (noted.tied_use(mod, method) is not None if ctx.foreign(mod)
+           else noted.use(tuple(mod.path), mod, method))
+    out = next_fun(*args, **kwargs)
+    return zeroed_output(out, (args, kwargs)) if use else out
 
   return intercept
 
@@ -1240,7 +1273,7 @@ def _with_channels(params: Any, perts: Mapping[tuple[str, ...], Any]) -> Any:
 
 def _forward(apply: _Apply, model_state: dict, inputs: Any,
              normalized: Mapping[tuple[str, ...], tuple[layer_base.LayerKind, dict]],
-             shared: Mapping[tuple[str, ...], frozenset],
+             shared: Mapping[tuple[str, ...], tuple[bool, ...]],
              tied: Mapping[int, tuple[str, ...]], params: Any,
              perts: dict) -> tuple[Any, tuple[dict, Any]]:
   """The forward pass that records captured layers' inputs and perturbs their outputs.
@@ -1248,10 +1281,11 @@ def _forward(apply: _Apply, model_state: dict, inputs: Any,
   Both go through each layer's own ``params`` scope (its perturbation is read from
   ``_PERTURBATION`` beside its parameters and its input written to ``_INPUTS``), so they pass
   through linen's lifted transforms as its parameters do: sliced and stacked by ``nn.scan``,
-  rematerialized by ``nn.remat``. A layer with several uses (``shared[path]``: the methods of
-  its uses; ``perts[path]`` a tuple, one per use; only layers called directly) is handled in
-  this trace: its ``i``-th call of those methods adds the ``i``-th perturbation and its inputs
-  come back as a tuple. A layer shared over a loop's iterations (``perts[path]`` a
+  rematerialized by ``nn.remat``. A layer with several uses (``shared[path]``: for each call of
+  a method its kind intercepts, in the order the calls begin, whether the discovery pass took
+  it for a use, ``_discover``; ``perts[path]`` a tuple, one per use; only layers called
+  directly) is handled in this trace: its ``i``-th use adds the ``i``-th perturbation and the
+  uses' inputs come back as a tuple. A layer shared over a loop's iterations (``perts[path]`` a
   ``step_sharing.StepChannels``) reads its channels, loop invariants, from its ``params`` scope
   and attaches them to every iteration's output (``step_sharing.tap``); it records nothing.
   The ``k``-th foreign call of a registered kind's ``__call__`` (a layer applied with
@@ -1259,32 +1293,21 @@ def _forward(apply: _Apply, model_state: dict, inputs: Any,
   among its uses (its tied output, ``tied_outputs.py``).
   """
   ctx = _Context({})
-  applied = [0]  # foreign calls of registered kinds' __call__ so far, as _discover counts them
+  uses = NotedCalls(shared, tied)
   steps = {p for p, z in perts.items() if isinstance(z, step_sharing.StepChannels)}
   in_clone = [False]  # the x_hat clone's own call passes through the interceptor
   used: dict[tuple[str, ...], list] = {p: [] for p in shared}
-  using: set = set()  # shared layers whose use is running
 
   def intercept(next_fun, args, kwargs, context):
     mod = context.module
     ctx.enter(mod)
     path = tuple(mod.path)
-    if (ctx.foreign(mod) and not in_clone[0] and context.method_name == "__call__"
-        and layers_lib.kind_of_module(mod) is not None):
-      applied[0] += 1
-      if tied.get(applied[0] - 1) in used:  # an embedding's tied output
-        path = tied[applied[0] - 1]
-        used[path].append(primary_input(args, kwargs))
-        return next_fun(*args, **kwargs) + perts[path][len(used[path]) - 1]
-    if (path in used and context.method_name in shared[path] and not in_clone[0]
-        and not ctx.foreign(mod) and path not in using):
-      i = len(used[path])
-      used[path].append(primary_input(args, kwargs))
-      using.add(path)  # a call of another of its methods inside this one is part of this use
-      try:
-        return next_fun(*args, **kwargs) + perts[path][i]
-      finally:
-        using.discard(path)
+    if not in_clone[0]:  # a use of a shared layer: its own, or an embedding's tied output
+      use = (uses.tied_use(mod, context.method_name) if ctx.foreign(mod)
+             else path if path in used and uses.use(path, mod, context.method_name) else None)
+      if use in used:
+        used[use].append(primary_input(args, kwargs))
+        return next_fun(*args, **kwargs) + perts[use][len(used[use]) - 1]
     if (in_clone[0] or context.method_name != "__call__" or path not in perts
         or ctx.foreign(mod)):
       return next_fun(*args, **kwargs)
@@ -1424,14 +1447,14 @@ def value_and_grad_with_stats(
       raise ValueError("model_state holds the non-parameter collections; pass params "
                        "as the first argument.")
     apply = _Apply(model, mutable, apply_kwargs)
-    calls, counts, foreign, transformed, keys, tied = one_input(
+    calls, counts, foreign, transformed, keys, tied, noted = one_input(
         lambda: _discover(apply, params, model_state, inputs),
         "thor_optax.flax.value_and_grad_with_stats")
     shared = {**_shared_with_apply(apply, params, model_state, inputs, foreign, set(tied)),
               **transformed}
 
     def zeroed(p):
-      with nn.intercept_methods(_zeroed_calls(noted_methods(calls))):
+      with nn.intercept_methods(_zeroed_calls(NotedCalls(noted, tied))):
         return apply.outputs({"params": p, **model_state}, inputs)
 
     shared.update(used_outside_their_calls(zeroed, params, set(calls) - set(shared)))
@@ -1443,8 +1466,7 @@ def value_and_grad_with_stats(
     forward = functools.partial(
         _forward, apply, model_state, inputs,
         {p: (c["kind"], c["meta"]) for p, c in captured.items() if c["kind"].normalized_input},
-        {p: frozenset(u.method for u in c["uses"]) for p, c in captured.items() if c["uses"]},
-        tied)
+        {p: noted[p] for p, c in captured.items() if c["uses"] and p in noted}, tied)
     loss, grads, stats, mutated = vjp_with_stats(forward, params, captured, unhandled, loss_fn,
                                                  targets, rng, options)
     if not apply.returns_state:

@@ -304,10 +304,11 @@ def _module_reasons(model: nnx.Module, params: nnx.State) -> dict[tuple[Any, ...
 
 
 def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
-              call_kwargs: _CallKwargs) -> tuple[dict, dict, dict, frozenset]:
+              call_kwargs: _CallKwargs) -> tuple[dict, dict, dict, frozenset, dict]:
   """Calls, shapes and metadata of every registered layer (a traced pass, no FLOPs).
 
-  Returns ``(calls, input_dtypes, reasons, keys)``, ``keys`` the paths of the key projections
+  Returns ``(calls, input_dtypes, reasons, keys, noted)``, ``noted`` as
+  :attr:`_Discovery.noted`, ``keys`` the paths of the key projections
   of attention written by hand (``attention_keys.shift_invariant`` on the pass's jaxpr, whose
   last outputs are the model's), ``reasons`` of the layers applied to an input that
   depends on no example (``capture.not_per_example``: a relative-position bucket table,
@@ -357,7 +358,8 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
   # to _module_reasons, which lists it; its calls elsewhere are dropped with it.
   return ({path: seen for path, seen in found.calls.items() if path not in found.raw},
           found.dtypes, {**{path: why for path, why in reasons.items() if path not in found.raw},
-                         **found.refused}, keys)
+                         **found.refused}, keys,
+          {path: tuple(flags) for path, flags in found.noted.items()})
 
 
 @dataclasses.dataclass
@@ -371,6 +373,8 @@ class _Discovery:
     raw: layers called inside a raw JAX transform (their variables cannot be written there).
     refused: ``{path: reason}`` of layers of a ``live_plan`` kind called on other than one
       array (listed).
+    noted: ``{path: [noted, ...]}``: for each call of a method the layer's kind intercepts, in
+      order, whether it was noted in ``calls`` (``capture.NotedCalls``).
     inputs: each layer's input, when called on the pass's own trace (not in a lifted copy).
     layers: the pass's model copy's layers by path; ``top``: the pass's JAX trace.
     marks: the layers whose outputs are routed through ``attention_keys.Marks``.
@@ -382,6 +386,7 @@ class _Discovery:
   written: set = dataclasses.field(default_factory=set)
   raw: set = dataclasses.field(default_factory=set)
   refused: dict = dataclasses.field(default_factory=dict)
+  noted: dict = dataclasses.field(default_factory=dict)
   inputs: dict = dataclasses.field(default_factory=dict)
   layers: dict = dataclasses.field(default_factory=dict)
   top: Any = None
@@ -396,6 +401,8 @@ class _Discovery:
     kind = layers_lib.kind_of_module(mod)
     if not kind.intercepts(mod, method):
       return out
+    flags = self.noted.setdefault(path, [])
+    flags.append(False)
     if kind.live_plan and not capture_lib.one_array_input(args, kwargs):
       if method == "__call__":  # another method so called is left to used_outside_their_calls
         self.refused.setdefault(path, capture_lib.not_one_array_reason(mod, args, kwargs))
@@ -419,6 +426,7 @@ class _Discovery:
       return out  # a method that is no use of the module's weight
     capture_lib.note_call(self.calls, path, mod, method, args, kwargs, out, stack, shared,
                           lifted=mod is not self.layers[path], kind=kind, plan=plan)
+    flags[-1] = True
     self.dtypes[path] = x.dtype
     if ((method == "__call__" or path not in self.inputs) and mod is self.layers[path]
         and jax.extend.core.get_opaque_trace_state(convention="nnx") == self.top):
@@ -470,7 +478,8 @@ def _from_loop(jaxpr: Any, var: Any) -> bool:
 
 
 def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: _CallKwargs, captured: dict,
-             dtypes: dict, params: Any, perts: dict) -> tuple[Any, tuple[dict, Any]]:
+             dtypes: dict, noted: dict, params: Any, perts: dict
+             ) -> tuple[Any, tuple[dict, Any]]:
   """A fresh copy's forward pass that records captured layers' inputs (``x_hat`` for
   normalized-input kinds) and perturbs their outputs; returns its new non-``Param`` state.
 
@@ -479,11 +488,13 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: _CallKwargs, ca
   inside lifted transforms receive their slice and hand their input back like parameters. A
   layer shared over a loop's iterations (``captured[path]['steps']``) gets its
   ``step_sharing.StepChannels`` in the same variables (and ``_STEPS``), which the loop body
-  reads as loop invariants and attaches to every iteration (``step_sharing.tap``)."""
+  reads as loop invariants and attaches to every iteration (``step_sharing.tap``). A layer
+  with several uses gets them in order (``noted``: which of its intercepted calls the discovery
+  pass noted, ``capture.NotedCalls``)."""
   copy = nnx.merge(graphdef, params, rest, copy=True)
   layers = _tagged(copy)
   used = {path: [] for path, c in captured.items() if c["uses"]}  # weight sharing
-  use_methods = {path: {u.method for u in captured[path]["uses"]} for path in used}
+  uses = capture_lib.NotedCalls(noted, {})
   for path, c in captured.items():
     if path in used:
       continue
@@ -498,11 +509,9 @@ def _forward(graphdef: Any, rest: Any, inputs: Any, call_kwargs: _CallKwargs, ca
 
   def intercept(original, mod, method, args, kwargs):
     path = getattr(mod, _PATH, None)
-    if path in used and method in use_methods[path] and mod is layers[path]:
-      # the i-th use of a shared layer, in this trace
-      i = len(used[path])
+    if path in used and uses.use(path, mod, method):  # the i-th use of a shared layer
       used[path].append(capture_lib.primary_input(args, kwargs))
-      return original(mod, *args, **kwargs) + perts[path][i]
+      return original(mod, *args, **kwargs) + perts[path][len(used[path]) - 1]
     if method != "__call__" or path not in captured:
       return original(mod, *args, **kwargs)
     kind = captured[path]["kind"]
@@ -645,19 +654,19 @@ def value_and_grad_with_stats(
     capture_lib.check_rng_keyword(type(model).__call__, rng,
                                   "thor_optax.nnx.value_and_grad_with_stats")
     call_kwargs = _CallKwargs(kwargs)
-    calls, dtypes, unbatched, keys = capture_lib.one_input(
+    calls, dtypes, unbatched, keys, noted = capture_lib.one_input(
         lambda: _discover(graphdef, params, rest, inputs, call_kwargs),
         "thor_optax.nnx.value_and_grad_with_stats")
     tied = {**unbatched, **_shared_params(model)}
     outside = {**capture_lib.used_outside_their_calls(
-        functools.partial(_zeroed_forward, graphdef, rest, inputs, call_kwargs,
-                          capture_lib.noted_methods(calls)), params,
+        functools.partial(_zeroed_forward, graphdef, rest, inputs, call_kwargs, noted), params,
         {path: seen for path, seen in calls.items() if path not in tied}), **tied}
     captured, unhandled = capture_lib.plan_calls(calls, _module_reasons(model, params),
                                                  shared=outside,
                                                  weight_sharing=options.weight_sharing,
                                                  attention_keys=keys)
-    forward = functools.partial(_forward, graphdef, rest, inputs, call_kwargs, captured, dtypes)
+    forward = functools.partial(_forward, graphdef, rest, inputs, call_kwargs, captured, dtypes,
+                                {p: noted[p] for p, c in captured.items() if c["uses"]})
     loss, grads, stats, (new_rest, new_nodes) = capture_lib.vjp_with_stats(
         forward, params, captured, unhandled, loss_fn, targets, rng, options)
     nnx.update(model, new_rest)
@@ -685,14 +694,16 @@ def _check_wrt(model: nnx.Module, wrt: Any) -> None:
         "subclass of it), or train them with another optimizer outside this capture.")
 
 
-def _zeroed_forward(graphdef, rest, inputs, call_kwargs, uses, params):
-  """The model's outputs with every registered kind's method (and the methods of ``uses``,
-  ``capture.noted_methods``) returning zeros of its output's shape
+def _zeroed_forward(graphdef, rest, inputs, call_kwargs, noted, params):
+  """The model's outputs with every use the discovery pass noted (``noted``,
+  ``capture.NotedCalls``) returning zeros of its output's shape
   (``capture.used_outside_their_calls``)."""
+  uses = capture_lib.NotedCalls(noted, {})
 
   def zeroed(original, mod, method, args, kwargs):
-    return capture_lib.zeroed_output(mod, method, original(mod, *args, **kwargs),
-                                     (args, kwargs), uses.get(getattr(mod, _PATH, None), ()))
+    use = uses.use(getattr(mod, _PATH, None), mod, method)
+    out = original(mod, *args, **kwargs)
+    return capture_lib.zeroed_output(out, (args, kwargs)) if use else out
 
   copy = nnx.merge(graphdef, params, rest, copy=True)
   _tagged(copy)
