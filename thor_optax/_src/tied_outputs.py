@@ -12,7 +12,8 @@ Hugging Face's Flax models tie the output projection to the input embedding by a
 given is a parameter of a captured embedding, transposed (up to float casts), the call is noted
 as that embedding's ``attend`` use and joined with its lookups (weight sharing, as
 ``Embed.attend`` is: ``embed.py``); any other ``.apply()`` of a layer fed by a model parameter
-keeps that parameter's module listed (``capture._shared_with_apply``).
+keeps that parameter's module listed (``capture._shared_with_apply``; inside ``nn.remat`` or
+``nn.scan``, where no kernel is linked, ``capture.used_outside_their_calls``).
 
 Found on the discovery pass's jaxpr: the kernels of the foreign calls are extra outputs of the
 pass, and each is followed back through casts and one ``transpose`` to the parameter it is.
