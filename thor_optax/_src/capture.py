@@ -847,10 +847,90 @@ class _Context:
     return stack, ("" if stack else mapped)
 
 
+@dataclasses.dataclass
+class _Recorder:
+  """What the linen discovery pass's interceptor (:meth:`record`) finds (see
+  :func:`_discover`).
+
+  Attributes:
+    ctx: where each call runs (:class:`_Context`).
+    calls: the :class:`Call` s by module path.
+    foreign: ``{site: module class}`` of the layers applied with ``.apply()``.
+    transformed: ``{module path: reason}`` of the layers listed for how they are called.
+    marks: the calls routed through ``attention_keys.Marks``.
+    applied: the foreign calls of registered kinds' ``__call__`` (``tied_outputs.Applied``).
+    sequence: ``(path, i)`` of the ``i``-th noted call of a path and ``(None, k)`` of
+      ``applied[k]``, in call order.
+    noted: ``{path: [noted, ...]}`` for each call of a method its kind intercepts.
+  """
+
+  ctx: _Context
+  calls: dict = dataclasses.field(default_factory=dict)
+  foreign: dict = dataclasses.field(default_factory=dict)
+  transformed: dict = dataclasses.field(default_factory=dict)
+  marks: attention_keys.Marks = dataclasses.field(default_factory=attention_keys.Marks)
+  applied: list = dataclasses.field(default_factory=list)
+  sequence: list = dataclasses.field(default_factory=list)
+  noted: dict = dataclasses.field(default_factory=dict)
+
+  def record_foreign(self, next_fun, args, kwargs, mod, method):
+    """A call of a module applied with ``.apply()`` inside the model."""
+    kind = layers_lib.kind_of_module(mod)
+    if method != "__call__" or kind is None or traced.tracing_alone():
+      return next_fun(*args, **kwargs)  # (a module traced alone is a copy of the model's)
+    self.foreign[self.ctx.site()] = type(mod).__name__
+    out = next_fun(*args, **kwargs)
+    self.applied.append(tied_outputs.of(mod, kind, args, kwargs, out, self.ctx.traced_apart()))
+    self.sequence.append((None, len(self.applied) - 1))
+    return out
+
+  def record(self, next_fun, args, kwargs, context):
+    """The interceptor: calls the method and notes the call."""
+    mod, method, ctx = context.module, context.method_name, self.ctx
+    ctx.enter(mod)
+    if ctx.foreign(mod):
+      return self.record_foreign(next_fun, args, kwargs, mod, method)
+    path, kind = tuple(mod.path), layers_lib.kind_of_module(mod)
+    if kind is not None and kind.intercepts(mod, method):
+      slot = len(self.noted.setdefault(path, []))
+      self.noted[path].append(False)
+    if kind is not None and kind.live_plan and ctx.nested(mod, method, kind):
+      return next_fun(*args, **kwargs)  # part of the module's outer call, its use
+    ctx.stack.append(path)
+    ctx.methods.append(method)
+    try:
+      out = next_fun(*args, **kwargs)
+    finally:
+      ctx.stack.pop()
+      ctx.methods.pop()
+    if kind is None or not kind.intercepts(mod, method):
+      return out
+    if kind.live_plan and not one_array_input(args, kwargs):
+      if method == "__call__":  # another method so called is left to used_outside_their_calls
+        self.transformed.setdefault(path, not_one_array_reason(mod, args, kwargs))
+      return out
+    why = _not_lifted_reason(mod, ctx)
+    if why:
+      self.transformed[path] = why
+      return out
+    out, plan, kind = marked(self.marks, kind, mod, method, args, kwargs, out, path)
+    if kind.live_plan and plan is None:
+      return out  # a method that is no use of the module's weight
+    place = ctx.placement(mod)
+    stack, shared_over = place if place is not None else ((), "")
+    note_call(self.calls, path, mod, method, args, kwargs, out, stack, shared_over,
+              lifted=mod.scope.root is not ctx.root, kind=kind, plan=plan)
+    self.sequence.append((path, len(self.calls[path]) - 1))
+    self.noted[path][slot] = True
+    if place is not None and not shared_over:
+      _write_probes(mod, method, primary_input(args, kwargs))
+    return out
+
+
 def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tuple:
   """Calls, shapes and metadata of every registered kind's module (an abstract pass, no FLOPs).
 
-  Returns ``(calls, counts, foreign, transformed, keys, tied)``: the :class:`Call`\\ s by
+  Returns ``(calls, counts, foreign, transformed, keys, tied, noted)``: the :class:`Call`\\ s by
   module path; the number of ``__call__`` calls of each captured-kind module with parameters
   per forward pass (counted through the params channel, so a lifted scan's second trace of its
   body does not count); ``{site: module class}`` of layers applied with ``.apply()`` inside
@@ -866,86 +946,40 @@ def _discover(apply: _Apply, params: Any, model_state: dict, inputs: Any) -> tup
   another of the same module, one on more than one array or one that reads no weight is not),
   which the forward pass follows to find a shared layer's uses.
   """
-  calls: dict[tuple[str, ...], list] = {}
-  foreign: dict[str, str] = {}
-  transformed: dict[tuple[str, ...], str] = {}
-  marks = attention_keys.Marks()
-  ctx = _Context({path: {k: tuple(v.shape) for k, v in leaves.items()}
-                  for path, leaves in _module_leaves(params).items()})
-  applied: list[tied_outputs.Applied] = []  # the foreign calls (.apply() inside the model)
-  sequence: list = []  # (path, i) of the i-th noted call of a path, (None, k) of applied[k]
-  noted: dict[tuple[str, ...], list] = {}  # per path, whether each intercepted call is noted
-
-  def record(next_fun, args, kwargs, context):
-    mod, method = context.module, context.method_name
-    ctx.enter(mod)
-    if ctx.foreign(mod):
-      kind = layers_lib.kind_of_module(mod)
-      if method != "__call__" or kind is None or traced.tracing_alone():
-        return next_fun(*args, **kwargs)  # (a module traced alone is a copy of the model's)
-      foreign[ctx.site()] = type(mod).__name__
-      out = next_fun(*args, **kwargs)
-      applied.append(tied_outputs.of(mod, kind, args, kwargs, out, ctx.traced_apart()))
-      sequence.append((None, len(applied) - 1))
-      return out
-    kind = layers_lib.kind_of_module(mod)
-    if kind is not None and kind.intercepts(mod, method):
-      slot = len(noted.setdefault(tuple(mod.path), []))
-      noted[tuple(mod.path)].append(False)
-    if kind is not None and kind.live_plan and ctx.nested(mod, method, kind):
-      return next_fun(*args, **kwargs)  # part of the module's outer call, its use
-    ctx.stack.append(tuple(mod.path))
-    ctx.methods.append(method)
-    try:
-      out = next_fun(*args, **kwargs)
-    finally:
-      ctx.stack.pop()
-      ctx.methods.pop()
-    if kind is None or not kind.intercepts(mod, method):
-      return out
-    if kind.live_plan and not one_array_input(args, kwargs):
-      if method == "__call__":  # another method so called is left to used_outside_their_calls
-        transformed.setdefault(tuple(mod.path), not_one_array_reason(mod, args, kwargs))
-      return out
-    why = _not_lifted_reason(mod, ctx)
-    if why:
-      transformed[tuple(mod.path)] = why
-      return out
-    out, plan, kind = marked(marks, kind, mod, method, args, kwargs, out, tuple(mod.path))
-    if kind.live_plan and plan is None:
-      return out  # a method that is no use of the module's weight
-    place = ctx.placement(mod)
-    stack, shared_over = place if place is not None else ((), "")
-    note_call(calls, tuple(mod.path), mod, method, args, kwargs, out, stack, shared_over,
-              lifted=mod.scope.root is not ctx.root, kind=kind, plan=plan)
-    sequence.append((tuple(mod.path), len(calls[tuple(mod.path)]) - 1))
-    noted[tuple(mod.path)][slot] = True
-    if place is not None and not shared_over and method == "__call__":
-      seen = (mod.scope.get_variable("params", _CALLS)
-              if mod.scope.has_variable("params", _CALLS) else jnp.zeros((0,)))
-      mod.scope.put_variable("params", _CALLS, jnp.zeros((seen.shape[-1] + 1,)))
-      mod.scope.put_variable("params", _INPUTS, primary_input(args, kwargs))
-    elif place is not None and not shared_over and not mod.scope.has_variable("params", _INPUTS):
-      mod.scope.put_variable("params", _INPUTS, primary_input(args, kwargs))  # first use
-    return out
-
+  found = _Recorder(_Context({path: {k: tuple(v.shape) for k, v in leaves.items()}
+                              for path, leaves in _module_leaves(params).items()}))
+  calls, transformed, applied = found.calls, found.transformed, found.applied
   closed, (outputs, mutated, _) = _trace_discovery(
-      apply, record, ctx, params, model_state, inputs,
+      apply, found.record, found.ctx, params, model_state, inputs,
       lambda: [a.kernel for a in applied if a.kernel is not None])
   linked = tied_outputs.link(closed.jaxpr, applied, params, calls, Call)
-  tied_outputs.in_call_order(calls, linked, sequence)
+  tied_outputs.in_call_order(calls, linked, found.sequence)
   keys = attention_keys.shift_invariant(
-      closed.jaxpr, [i < len(outputs) for i in range(len(closed.jaxpr.outvars))], marks)
+      closed.jaxpr, [i < len(outputs) for i in range(len(closed.jaxpr.outvars))], found.marks)
   counts = {path: _get(mutated, path)[_CALLS].shape[-1] for path in calls
             if _CALLS in (_get(mutated, path) or {})}
   probes = {path: _get(mutated, path)[_INPUTS] for path in calls
             if _INPUTS in (_get(mutated, path) or {})}
-  given = len(jax.tree.leaves((params, model_state)))
+  given = len(jax.tree.leaves((params, model_state)))  # the pass's inputs before the examples
   for path, why in not_per_example(closed.jaxpr, (outputs, mutated), probes, given,
                                    batch_size(inputs)).items():
     transformed.setdefault(path, why)
-  return calls, counts, foreign, transformed, keys, {k: p for k, (p, _) in linked.items()}, {
-      path: tuple(flags) for path, flags in noted.items()}
+  return calls, counts, found.foreign, transformed, keys, {
+      k: p for k, (p, _) in linked.items()}, {p: tuple(f) for p, f in found.noted.items()}
+
+
+def _write_probes(mod: nn.Module, method: str, x: Any) -> None:
+  """Writes, beside the parameters of a module called once per iteration of the pass, what
+  ``_discover`` reads back: a ``__call__``'s count (``_CALLS``, one more per call) and its input
+  (``_INPUTS``, for :func:`not_per_example`), or another method's input at its module's first
+  use."""
+  if method == "__call__":
+    seen = (mod.scope.get_variable("params", _CALLS)
+            if mod.scope.has_variable("params", _CALLS) else jnp.zeros((0,)))
+    mod.scope.put_variable("params", _CALLS, jnp.zeros((seen.shape[-1] + 1,)))
+    mod.scope.put_variable("params", _INPUTS, x)
+  elif not mod.scope.has_variable("params", _INPUTS):
+    mod.scope.put_variable("params", _INPUTS, x)
 
 
 def marked(marks: attention_keys.Marks, kind: layer_base.LayerKind, mod: Any, method: str,
