@@ -163,17 +163,23 @@ def _nnx_update(model, x, y):
   return reference.nnx_captured_update(model, x, y, softmax_ce, TRANSFORMS["kfac"])
 
 
-def test_nnx_table_of_its_own_equals_nnx_embed():
-  x, y = _batch(1)
-  model = NnxNet(nnx.Rngs(0))
+def _assert_nnx_equals_embed(net, leaf, x, y):
+  """``net(rngs, own=True)``'s update equals ``net(rngs, own=False)``'s (``nnx.Embed``) with
+  the same values; returns the capture's statistics."""
+  model = net(nnx.Rngs(0))
   got, stats = _nnx_update(model, x, y)
   assert stats.unhandled == ()
   assert type(stats.layers["emb"]).__name__ == "LookupStats"
   own = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  reference_model = NnxNet(nnx.Rngs(1), own=False)
-  nnx.update(reference_model, nnx.State(_as_embed(own, "tokens")))
+  reference_model = net(nnx.Rngs(1), own=False)
+  nnx.update(reference_model, nnx.State(_as_embed(own, leaf)))
   want, _ = _nnx_update(reference_model, x, y)
-  reference.assert_trees_close(_as_embed(got, "tokens"), want)
+  reference.assert_trees_close(_as_embed(got, leaf), want)
+  return stats
+
+
+def test_nnx_table_of_its_own_equals_nnx_embed():
+  _assert_nnx_equals_embed(NnxNet, "tokens", *_batch(1))
 
 
 class Masked(nn.Module):
@@ -387,17 +393,8 @@ class NnxTiedNet(nnx.Module):
 
 
 def test_nnx_tied_table_of_its_own_equals_nnx_embed_attend():
-  x, y = _tied_batch(4)
-  model = NnxTiedNet(nnx.Rngs(0))
-  got, stats = _nnx_update(model, x, y)
-  assert stats.unhandled == ()
-  assert type(stats.layers["emb"]).__name__ == "LookupStats"
+  stats = _assert_nnx_equals_embed(NnxTiedNet, "input_embedding", *_tied_batch(4))
   assert stats.layers["emb"].attend_inputs is not None
-  own = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  reference_model = NnxTiedNet(nnx.Rngs(1), own=False)
-  nnx.update(reference_model, nnx.State(_as_embed(own, "input_embedding")))
-  want, _ = _nnx_update(reference_model, x, y)
-  reference.assert_trees_close(_as_embed(got, "input_embedding"), want)
 
 
 class SoftCapped(GemmaEmbedder):

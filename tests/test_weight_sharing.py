@@ -132,15 +132,20 @@ def _tied_reference(params, ids, y):
   return reference.kron_update(np.diag(a_diag), G, grad, S, S)
 
 
-def test_tied_embedding_joins_lookup_and_attend():
+def _assert_tied_update(model):
+  """``model`` (parameters as :class:`TiedLM`'s) is updated as the hand-made tied reference."""
   ids = jnp.asarray(np.random.default_rng(0).integers(0, V, (N, T)))
   y = jnp.asarray(np.random.default_rng(1).integers(0, V, (N, T)))
   params = reference.init_params(TiedLM(), ids)
-  updates, _, stats = _update(TiedLM(), params, ids, y, softmax_ce)
+  updates, _, stats = _update(model, params, ids, y, softmax_ce)
   assert not stats.unhandled
   assert stats.layers["emb"].attend_inputs.shape == (N * T, 1, D)
   np.testing.assert_allclose(updates["emb"]["embedding"], _tied_reference(params, ids, y),
                              rtol=0, atol=1e-12)
+
+
+def test_tied_embedding_joins_lookup_and_attend():
+  _assert_tied_update(TiedLM())
 
 
 def test_nnx_tied_embedding_matches_linen():
@@ -214,14 +219,7 @@ class HFTiedLM(nn.Module):
 def test_hugging_face_tied_head_joins_lookup_and_attend(access):
   """``Dense.apply({'params': {'kernel': embedding.T}}, h)`` is the embedding's ``attend``: the
   update equals the hand-made tied reference's (before, the embedding was listed)."""
-  ids = jnp.asarray(np.random.default_rng(0).integers(0, V, (N, T)))
-  y = jnp.asarray(np.random.default_rng(1).integers(0, V, (N, T)))
-  params = reference.init_params(TiedLM(), ids)
-  updates, _, stats = _update(HFTiedLM(access), params, ids, y, softmax_ce)
-  assert not stats.unhandled
-  assert stats.layers["emb"].attend_inputs.shape == (N * T, 1, D)
-  np.testing.assert_allclose(updates["emb"]["embedding"], _tied_reference(params, ids, y),
-                             rtol=0, atol=1e-12)
+  _assert_tied_update(HFTiedLM(access))
 
 
 def test_hugging_face_tied_head_of_a_table_of_ones_own():
