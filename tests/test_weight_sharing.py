@@ -296,6 +296,49 @@ def test_hugging_face_tied_head_after_a_module_traced_alone():
   reference.assert_trees_close(got, want)
 
 
+class SharedStack(nn.Module):
+  """A stack given the model's shared embedding as an attribute (T5's ``embed_tokens``)."""
+
+  embed_tokens: nn.Module
+
+  @nn.compact
+  def __call__(self, ids):
+    return jnp.tanh(nn.Dense(D, name="mix")(self.embed_tokens(ids)))
+
+
+class T5Style(nn.Module):
+  """Hugging Face's T5 / BART layout: one ``shared`` embedding looked up by the encoder and the
+  decoder (inputs of different lengths) and tied to the output through ``.apply()``; ``hf=False``
+  writes the head as ``shared.attend``."""
+
+  hf: bool = True
+
+  def setup(self):
+    self.shared = nn.Embed(V, D)
+    self.encoder, self.decoder = SharedStack(self.shared), SharedStack(self.shared)
+    self.lm_head = nn.Dense(V, use_bias=False)
+
+  def __call__(self, ids):
+    h = self.encoder(ids[:, :T]).mean(1, keepdims=True) + self.decoder(ids[:, T:])
+    h = h * D ** -0.5
+    if self.hf:
+      table = self.shared.variables["params"]["embedding"]
+      return self.lm_head.apply({"params": {"kernel": table.T}}, h)
+    return self.shared.attend(h)
+
+
+def test_t5_style_shared_embedding_and_tied_head():
+  """Three uses of one table (two lookups of different lengths, the ``.apply()`` head) are
+  joined as the same model's lookups and ``attend`` are."""
+  ids = jnp.asarray(np.random.default_rng(14).integers(0, V, (N, T + 3)))
+  y = jnp.asarray(np.random.default_rng(15).integers(0, V, (N, 3)))
+  params = reference.init_params(T5Style(), ids)
+  got, _, stats = _update(T5Style(), params, ids, y, softmax_ce)
+  want, _, _ = _update(T5Style(hf=False), params, ids, y, softmax_ce)
+  assert not stats.unhandled and stats.layers["shared"].attend_inputs is not None
+  reference.assert_trees_close(got, want)
+
+
 class AutoEncoder(nn.Module):
   """A decoder ``Dense.apply`` given the encoder's kernel transposed (tied autoencoder)."""
 
