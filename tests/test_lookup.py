@@ -295,6 +295,16 @@ class EinsumDecode(GemmaEmbedder):
     return jnp.einsum("ntd,vd->ntv", x, self.table) * 0.5
 
 
+class NegatedOffset(GemmaEmbedder):
+  """``decode`` negated, a constant bias of the logits added (no use of the table)."""
+
+  def decode(self, x):
+    return OFFSET - jnp.dot(x, self.table.T)
+
+
+OFFSET = jnp.arange(V, dtype=F64) * 0.1
+
+
 class CallsEncode(GemmaEmbedder):
   """A ``__call__`` that calls ``encode``: one use, not two."""
 
@@ -308,13 +318,14 @@ class TiedNet(nn.Module):
 
   table: str = "reference"
   scales: tuple = (1.0, 1.0)
+  offset: Any = 0.0
 
   @nn.compact
   def __call__(self, ids):
     if self.table == "reference":
       emb = nn.Embed(V, D, name="emb", param_dtype=F64)
       encode = lambda i: emb(i) * self.scales[0]
-      decode = lambda h: emb.attend(h) * self.scales[1]
+      decode = lambda h: emb.attend(h) * self.scales[1] + self.offset
     elif self.table == "maxtext":
       emb = Tied(name="emb")
       encode, decode = emb, emb.attend
@@ -327,7 +338,8 @@ class TiedNet(nn.Module):
     return decode(nn.Dense(D, name="mix", param_dtype=F64)(jnp.tanh(h)))
 
 
-TIED = {"gemma": GemmaEmbedder, "einsum": EinsumDecode, "calls_encode": CallsEncode}
+TIED = {"gemma": GemmaEmbedder, "einsum": EinsumDecode, "calls_encode": CallsEncode,
+        "negated_offset": NegatedOffset}
 
 
 def _tied_batch(seed):
@@ -340,7 +352,8 @@ def _tied_batch(seed):
     ("maxtext", "embedding", (1.0, 1.0), "EmbedStats"),
     ("gemma", "input_embedding", (float(np.sqrt(D)), 1.0), "LookupStats"),
     ("einsum", "input_embedding", (float(np.sqrt(D)), 0.5), "LookupStats"),
-    ("calls_encode", "input_embedding", (float(np.sqrt(D)), 1.0), "LookupStats")])
+    ("calls_encode", "input_embedding", (float(np.sqrt(D)), 1.0), "LookupStats"),
+    ("negated_offset", "input_embedding", (float(np.sqrt(D)), -1.0), "LookupStats")])
 def test_tied_tables_of_their_own_equal_nn_embed_attend(table, leaf, scales, stats_type,
                                                         transform):
   """A table looked up and applied as the tied output by methods of its own module (MaxText's
@@ -355,8 +368,10 @@ def test_tied_tables_of_their_own_equal_nn_embed_attend(table, leaf, scales, sta
   emb = stats.layers["emb"]
   assert type(emb).__name__ == stats_type
   assert emb.attend_inputs is not None
+  offset = OFFSET if table == "negated_offset" else 0.0
   want, _, want_stats = reference.captured_update(
-      TiedNet(scales=scales), _as_embed(params, leaf), x, y, softmax_ce, TRANSFORMS[transform])
+      TiedNet(scales=scales, offset=offset), _as_embed(params, leaf), x, y, softmax_ce,
+      TRANSFORMS[transform])
   for field in ("cotangents", "attend_inputs", "attend_cotangents"):
     reference.assert_trees_close(getattr(emb, field), getattr(want_stats.layers["emb"], field))
   reference.assert_trees_close(_as_embed(got, leaf), want)

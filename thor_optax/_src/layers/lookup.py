@@ -212,9 +212,19 @@ def _scaled(jaxpr: Any, eqn: Any, kinds: list, tags: dict, what: str) -> Optiona
   """For ``mul`` / ``div`` of one tagged tuple ``(role, c, ...)`` (``what``: its name in the
   reason) by a constant (:func:`_constant`): tags the output ``(role, c * k or c / k, ...)``
   and returns ``''``; the reason for another array; ``None`` when ``eqn`` is no such
-  product."""
+  product. Also a ``neg`` of it (``k = -1``) and an array that depends on neither the table nor
+  the input added to it or subtracted (a constant bias of the logits: the tuple's cotangent is
+  the output's, its sign flipped for ``other - tuple``), of the tuple's shape."""
   tuples = [k for k in kinds if isinstance(k, tuple)]
   prim = eqn.primitive.name
+  if prim == "neg" and tuples:
+    tags[eqn.outvars[0]] = (tuples[0][0], -tuples[0][1]) + tuples[0][2:]
+    return ""
+  if (prim in ("add", "sub") and len(tuples) == 1 and None in kinds and len(kinds) == 2
+      and eqn.outvars[0].aval.shape == eqn.invars[kinds.index(tuples[0])].aval.shape):
+    flip = prim == "sub" and kinds[1] == tuples[0]
+    tags[eqn.outvars[0]] = (tuples[0][0], -tuples[0][1] if flip else tuples[0][1]) + tuples[0][2:]
+    return ""
   if not (prim in ("mul", "div") and len(tuples) == 1 and len(kinds) == 2
           and (prim == "mul" or kinds[0] == tuples[0])):
     return None
