@@ -302,7 +302,7 @@ class NegatedOffset(GemmaEmbedder):
     return OFFSET - jnp.dot(x, self.table.T)
 
 
-OFFSET = jnp.arange(V, dtype=F64) * 0.1
+OFFSET = np.arange(V) * 0.1  # float64 (NumPy: x64 is enabled by the tests' fixture, after import)
 
 
 class CallsEncode(GemmaEmbedder):
