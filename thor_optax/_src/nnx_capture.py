@@ -14,12 +14,11 @@ its forward passes, the intercepted methods of every registered layer kind's NNX
 ``nnx.Embed.attend``, a tied embedding's second use), and those of the model's modules that a kind
 of any class takes (``__call__`` and their own public methods taking an input,
 ``traced.layer_methods``: Gemma's ``Embedder.encode`` and ``decode``) are replaced on the class
-by a wrapper, inside
-a context manager that restores the originals in ``finally``. User models are never edited. The
-wrappers act only on the thread that entered the context and only on the modules of the model copy
-being captured (found by object identity); every other call, in this or another thread, goes to the
-original method. Nested captures are reference-counted, so the classes are restored when the
-outermost one exits.
+by a wrapper, inside a context manager that restores the originals in ``finally``. User models are
+never edited. The wrappers act only on the thread that entered the context and only on the modules
+of the model copy being captured (found by object identity); every other call, in this or another
+thread, goes to the original method. Nested captures are reference-counted, so the classes are
+restored when the outermost one exits.
 
 How the model is run. The model is split into its ``nnx.Param`` state and the rest
 (``BatchStat``, RNG keys and counts, other variables); the forward pass merges a fresh copy
