@@ -27,6 +27,12 @@ Captured layer kinds (see ``layers/*.py``):
 * ``nn.BatchNorm``, ``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.RMSNorm`` with scale and/or
   bias over the last axis only (``RMSNorm``: scale only) -> ``NormStats`` (per-example scale and
   bias gradients);
+* modules of no Flax class, recognised from their calls traced alone (``layers/traced.py``): a
+  product by one weight (``'matmul'``), a scale and shift per entry (``'channel_affine'``), an
+  embedding table looked up and perhaps applied as the tied output by methods of its own
+  (``'lookup'``: Gemma's ``Embedder.encode`` / ``decode``), and an embedding's table given
+  transposed to a ``nn.Dense`` applied with ``.apply()`` (Hugging Face's tied LM head,
+  ``tied_outputs.py``);
 * modules of kinds registered with ``thor_optax.register_layer_kind``.
 
 A layer called once is captured through its own ``params`` scope, directly or inside lifted
