@@ -14,7 +14,8 @@ decoder (an ``Embed``, ``RMSNorm`` and ``DenseGeneral`` of its own, logically pa
 ``nn.scan`` whose layer axis is named by ``metadata_params``), BiT /
 ViT-hybrid weight-standardized convolutions (``class StdConv(nn.Conv)`` overriding ``param``),
 ``nn.remat``-ed layers, and the Flax NNX "scan over layers" pattern (``nnx.vmap`` to create a
-stack of layers, ``nnx.scan`` to run it, ``nnx.remat`` around a layer).
+stack of layers, ``nnx.scan`` to run it, ``nnx.remat`` around a layer), and Flax's NNX Gemma
+example (its embedder with ``encode`` / ``decode``, einsum and RMS-norm modules of its own).
 
 Sizes are tiny (widths 8-32, two or three layers, a few pixels or tokens) so that every model
 compiles and trains in about a second on a CPU. :data:`LINEN_MODELS` lists the linen models with
@@ -699,6 +700,86 @@ class NNXScanMLP(nnx.Module):
     x = forward(x, self.blocks)
     x = jnp.tanh(nnx.remat(lambda layer, h: layer(h))(self.mid, x))
     return self.head(x)
+
+
+# ------------------------------------------ (16) NNX Gemma: Flax's own NNX example, written small
+
+
+class NNXGemmaEmbedder(nnx.Module):
+  """The NNX Gemma example's embedder: a table ``input_embedding``, ``encode`` (rows times
+  ``sqrt(d)``) and the tied ``decode``; no ``__call__``."""
+
+  def __init__(self, vocab: int, width: int, rngs: nnx.Rngs):
+    self.input_embedding = nnx.Param(jax.random.normal(rngs.params(), (vocab, width)))
+
+  def encode(self, ids):
+    rows = self.input_embedding[(ids,)]
+    return rows * jnp.sqrt(rows.shape[-1]).astype(rows.dtype)
+
+  def decode(self, x):
+    return x @ self.input_embedding[...].T
+
+
+class NNXGemmaEinsum(nnx.Module):
+  """An einsum module holding its equation and a weight ``w`` (the example's ``layers.Einsum``)."""
+
+  def __init__(self, eqn: str, shape: tuple, rngs: nnx.Rngs):
+    self.eqn = eqn
+    self.w = nnx.Param(0.3 * jax.random.normal(rngs.params(), shape))
+
+  def __call__(self, x):
+    return jnp.einsum(self.eqn, x, self.w[...])
+
+
+class NNXGemmaRMSNorm(nnx.Module):
+  """``x / rms(x) * (1 + scale)`` with a zero-initialised ``scale``."""
+
+  def __init__(self, width: int, rngs: nnx.Rngs):
+    del rngs
+    self.scale = nnx.Param(jnp.zeros((width,)))
+
+  def __call__(self, x):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * (
+        1 + self.scale[...])
+
+
+class NNXGemmaBlock(nnx.Module):
+  """Pre-norm multi-head attention (a fused ``qkv_einsum`` ``'BTD,SNDH->SBTNH'``, a causal mask,
+  ``attn_vec_einsum``) and a gated MLP of three bias-free ``nnx.Linear`` layers."""
+
+  def __init__(self, width: int, heads: int, head_dim: int, hidden: int, rngs: nnx.Rngs):
+    self.pre_attention_norm = NNXGemmaRMSNorm(width, rngs)
+    self.qkv_einsum = NNXGemmaEinsum("BTD,SNDH->SBTNH", (3, heads, width, head_dim), rngs)
+    self.attn_vec_einsum = NNXGemmaEinsum("BTNH,NHD->BTD", (heads, head_dim, width), rngs)
+    self.pre_ffw_norm = NNXGemmaRMSNorm(width, rngs)
+    self.gate_proj = nnx.Linear(width, hidden, use_bias=False, rngs=rngs)
+    self.up_proj = nnx.Linear(width, hidden, use_bias=False, rngs=rngs)
+    self.down_proj = nnx.Linear(hidden, width, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    q, k, v = self.qkv_einsum(self.pre_attention_norm(x))
+    t = x.shape[1]
+    logits = jnp.einsum("BTNH,BSNH->BTNS", q * q.shape[-1] ** -0.5, k)
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool))[:, None], logits, -2.3819763e38)
+    x = x + self.attn_vec_einsum(jnp.einsum("BTNS,BSNH->BTNH", jax.nn.softmax(logits), v))
+    h = self.pre_ffw_norm(x)
+    return x + self.down_proj(nnx.gelu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class NNXGemma(nnx.Module):
+  """``encode``, two :class:`NNXGemmaBlock` s in a Python list, a final norm and the tied
+  ``decode``."""
+
+  def __init__(self, vocab: int, width: int, rngs: nnx.Rngs):
+    self.embedder = NNXGemmaEmbedder(vocab, width, rngs)
+    self.layers = nnx.List([NNXGemmaBlock(width, 2, 4, 2 * width, rngs) for _ in range(2)])
+    self.final_norm = NNXGemmaRMSNorm(width, rngs)
+
+  def __call__(self, ids):
+    x = self.embedder.encode(ids)
+    for layer in self.layers:
+      x = layer(x)
+    return self.embedder.decode(self.final_norm(x))
 
 
 # ------------------------------------------------------------------------ data and losses

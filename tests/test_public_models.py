@@ -320,18 +320,38 @@ def test_model_without_capturable_layers_trains_with_one_warning():
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
-def test_nnx_layers_in_lifted_transforms_are_preconditioned_and_train():
-  """NNX's functional training loop (``nnx.split`` once, ``jax.jit`` steps that ``nnx.merge``)."""
-  x, y = pm.classification_batch(11, (16, 6), 4)
-  tx = thor_optax.thor(0.05, 0.03)
+_GEMMA_LAYERS = {"embedder", "final_norm"} | {
+    f"layers/{i}/{m}" for i in (0, 1) for m in ("pre_attention_norm", "qkv_einsum",
+                                                "attn_vec_einsum", "pre_ffw_norm", "gate_proj",
+                                                "up_proj", "down_proj")}
+NNX_MODELS = {  # (model, batch, layers expected preconditioned, learning rate)
+    # An nnx.vmap-made stack run by nnx.scan, and a layer run under nnx.remat.
+    "scan_mlp": (lambda: pm.NNXScanMLP(6, 16, 2, 4, nnx.Rngs(0)),
+                 lambda: pm.classification_batch(11, (16, 6), 4),
+                 {"proj", "blocks/linear", "mid", "head"}, 0.05),
+    # Flax's NNX Gemma example, small: its embedder (encode / decode, tied), einsum modules and
+    # RMS norms of its own (before this capture: the embedder was listed).
+    "gemma": (lambda: pm.NNXGemma(16, 8, nnx.Rngs(0)), lambda: pm.token_batch(16, 4, 6, 16),
+              _GEMMA_LAYERS, 0.05),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NNX_MODELS))
+def test_nnx_models_are_preconditioned_and_train(name):
+  """NNX's functional training loop (``nnx.split`` once, ``jax.jit`` steps that ``nnx.merge``),
+  the optimizer laid out from one abstract capture (``captured_layers``)."""
+  make_model, make_batch, expected, lr = NNX_MODELS[name]
+  x, y = make_batch()
+  capture = thor_optax.nnx.value_and_grad_with_stats(pm.softmax_ce)
+  _, abstract = nnx.eval_shape(lambda m: capture(m, x, y), nnx.eval_shape(make_model))
+  tx = thor_optax.thor(lr, 0.03, layers=thor_optax.captured_layers(abstract))
 
   def build():
-    model = pm.NNXScanMLP(6, 16, 2, 4, nnx.Rngs(0))
+    model = make_model()
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   graphdef, _ = nnx.split(nnx.eval_shape(build))
   state = jax.jit(lambda: nnx.state(build()), compiler_options=FAST_COMPILE)()
-  capture = thor_optax.nnx.value_and_grad_with_stats(pm.softmax_ce)
   seen = []
 
   @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
@@ -357,9 +377,7 @@ def test_nnx_layers_in_lifted_transforms_are_preconditioned_and_train():
       losses.append(float(loss))
   assert thor_warnings(record) == [] and seen[0] == ()
   _, optimizer = nnx.merge(graphdef, state)
-  # The nnx.vmap-made stack run by nnx.scan, and the layer run under nnx.remat.
-  assert preconditioned_layers(kronecker_state(optimizer.opt_state)) == {
-      "proj", "blocks/linear", "mid", "head"}
+  assert preconditioned_layers(kronecker_state(optimizer.opt_state)) == expected
   assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0], losses
 
 
