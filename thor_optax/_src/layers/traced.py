@@ -129,8 +129,12 @@ def own_leaves(module: Any) -> Optional[dict]:
 
 def flax_class(module: Any) -> bool:
   """Whether ``module`` is of one of Flax's own classes (their layers are their own kinds', or
-  wrap another layer's weight: ``nn.WeightNorm``, ``nn.SpectralNorm``)."""
-  return type(module).__module__.split(".")[0] == "flax"
+  wrap another layer's weight: ``nn.WeightNorm``, ``nn.SpectralNorm``). The class a lifted
+  transform makes of a class (``nn.remat(Embedder)``, whose methods other than the lifted
+  ``__call__`` run on it as they are) counts as that class."""
+  cls = next((c for c in type(module).__mro__ if c.__module__ != "flax.linen.transforms"),
+             type(module))
+  return cls.__module__.split(".")[0] == "flax"
 
 
 def _abstract(v: Any) -> jax.ShapeDtypeStruct:
