@@ -81,7 +81,7 @@ def _source(jaxpr: Any, var: Any, n_params: int) -> Optional[int]:
     if eqn is None:
       return None
     prim = eqn.primitive.name
-    if prim in traced.CASTS and jnp.issubdtype(var.aval.dtype, jnp.floating):
+    if traced.float_cast(eqn):
       var = eqn.invars[0]
     elif prim == "transpose" and not transposed and tuple(eqn.params["permutation"]) == (1, 0):
       transposed, var = True, eqn.invars[0]

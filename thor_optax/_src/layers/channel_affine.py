@@ -192,9 +192,8 @@ def _walk(jaxpr: Any, tags: dict) -> str:
       continue
     name, out = eqn.primitive.name, eqn.outvars
     if name in traced.CASTS and len(ins) == 1:
-      dtype = out[0].aval.dtype
-      if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
-        return f"it casts {', '.join(map(repr, _leaves(ins[0])))} to {dtype}"
+      if not traced.float_cast(eqn):
+        return f"it casts {', '.join(map(repr, _leaves(ins[0])))} to {out[0].aval.dtype}"
       tags[out[0]] = ins[0]
       continue
     if traced.is_call(eqn):

@@ -201,13 +201,6 @@ def _walked(jaxpr: Any, tags: dict, step: Callable[[Any, Any, list, dict], str])
   return ""
 
 
-def _float_cast(eqn: Any) -> bool:
-  """Whether ``eqn`` casts to a float of at least 2 bytes (an identity up to the dtype)."""
-  dtype = eqn.outvars[0].aval.dtype
-  return (eqn.primitive.name in traced.CASTS and jnp.issubdtype(dtype, jnp.floating)
-          and jnp.dtype(dtype).itemsize >= 2)
-
-
 def _scaled(jaxpr: Any, eqn: Any, kinds: list, tags: dict, what: str) -> Optional[str]:
   """For ``mul`` / ``div`` of one tagged tuple ``(role, c, ...)`` (``what``: its name in the
   reason) by a constant (:func:`_constant`): tags the output ``(role, c * k or c / k, ...)``
@@ -249,7 +242,7 @@ def _lookup_step(ids_shape: tuple, vocab: int) -> Callable[[Any, Any, list, dict
       other = next((k for k in kinds if str(k).startswith("f(ids)")), f"f(ids) {prim}")
       for v in out:  # another function of the ids (a mask, shifted ids), named by its first op
         tags[v] = _ids_step(eqn, kinds, vocab) or other
-    elif _float_cast(eqn):
+    elif traced.float_cast(eqn):
       tags[out[0]] = kinds[0]
     elif prim == "gather" and kinds[0] == "table" and kinds[1] in ("ids", "ids~") \
         and _is_row_gather(eqn, ids_shape) and eqn.params["mode"].name in _MODES:
@@ -325,7 +318,7 @@ def _attend_step(x_shape: tuple, vocab: int) -> Callable[[Any, Any, list, dict],
 
   def step(jaxpr, eqn, kinds, tags):
     prim, out = eqn.primitive.name, eqn.outvars
-    if _float_cast(eqn):
+    if traced.float_cast(eqn):
       tags[out[0]] = kinds[0]
     elif prim == "transpose" and kinds == ["table"] and tuple(eqn.params["permutation"]) == (1, 0):
       tags[out[0]] = "table.T"

@@ -209,9 +209,8 @@ def _walk(jaxpr: Any, tags: dict, x_ndim: int) -> str:
     before = eqn.invars[0].aval.shape
     after = tuple(out[0].aval.shape) if out else ()  # (a debug callback has no output)
     if name in traced.CASTS and len(ins) == 1:
-      dtype = out[0].aval.dtype
-      if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
-        return f"it casts the {_WORDS[ins[0][0]]} to {dtype}"
+      if not traced.float_cast(eqn):
+        return f"it casts the {_WORDS[ins[0][0]]} to {out[0].aval.dtype}"
       tags[out[0]] = ins[0]
     elif traced.is_call(eqn):
       why = traced.walk_call(eqn, ins, tags, lambda body, sub: _walk(body, sub, x_ndim))

@@ -215,6 +215,14 @@ def trace_or_reason(module: Any, names: list, args: tuple, kwargs: dict,
   return closed, shape, ""
 
 
+def float_cast(eqn: Any) -> bool:
+  """Whether ``eqn`` is one of :data:`CASTS` to a float of at least 2 bytes: an identity up to
+  the dtype (a cast to fp8 rounds the value)."""
+  dtype = eqn.outvars[0].aval.dtype if eqn.outvars else None
+  return (eqn.primitive.name in CASTS and dtype is not None
+          and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize >= 2)
+
+
 def is_call(eqn: Any) -> bool:
   """Whether ``eqn`` calls a body the kinds' walks read (``jit``, ``remat``, ...)."""
   return eqn.primitive.name in CALLS and "jaxpr" in eqn.params
