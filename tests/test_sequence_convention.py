@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import thor_optax
@@ -299,3 +300,71 @@ def test_rows_that_are_not_the_loss_terms_divide_a_by_the_terms():
     grad = np.concatenate([np.asarray(grads["kernel"][e]), np.asarray(grads["bias"][e])[None]])
     want = _expand_reference(np.asarray(x), ct[e], members * N, grad)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+class _RMSNorm(nn.Module):
+  """Gemma's RMS norm of its own (``'channel_affine'`` kind, ``NormStats``)."""
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],))
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * (1 + scale)
+
+
+class _PositionEmbs(nn.Module):
+  """Google's ViT ``AddPositionEmbs``: an entry per position and channel (``'channel_affine'``,
+  ``ChannelAffineStats``)."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x + self.param("pos_embedding", nn.initializers.normal(0.02), (1,) + x.shape[1:])
+
+
+class Normed(nn.Module):
+  """Per position: Dense -> tanh -> LayerNorm -> RMS norm -> position embedding -> Dense."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm(name="ln")(jnp.tanh(nn.Dense(7, name="hidden")(x)))
+    return nn.Dense(K, name="out")(_PositionEmbs(name="pos")(_RMSNorm(name="rms")(h)))
+
+
+@pytest.mark.parametrize("case", ["expand", "reduce", "drop_last"])
+def test_norm_layers_fisher_sums_each_loss_terms_positions(case):
+  """A normalization layer's unit-wise Fisher under a loss per position is ``(1/M) sum`` over
+  the ``M`` terms of their gradients' outer products per entry: with ``'auto'`` (expand) each
+  token's gradient, as the dense layers get each token's rows; a loss dropping the last position
+  (``M = N (T - 1)``) the same over its terms; ``'reduce'`` each sequence's summed gradient,
+  divided by ``M`` as reduce's ``G`` is. Before, every case summed each sequence's positions and
+  divided by ``N``: ``T`` times the expanded Fisher. The model mixes no positions, so the terms'
+  gradients (``jax.jacrev``) are exact references; damping ``lambda`` on each 2x2 block."""
+  x = jnp.asarray(randn(9, (N, T, D)))
+  y = jnp.asarray(np.random.default_rng(10).integers(0, K, (N, T)))
+  params = reference.init_params(Normed(), x)
+  used = T - 1 if case == "drop_last" else T
+  terms = lambda p: optax.softmax_cross_entropy_with_integer_labels(
+      Normed().apply({"params": p}, x)[:, :used], y[:, :used])  # (N, used) terms
+  loss = lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(
+      logits[:, :used], labels[:, :used]).mean()
+  kwargs = dict(weight_sharing="reduce") if case == "reduce" else {}
+  tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None)
+  updates, _ = _update(Normed(), loss, params, x, y, tx, num_loss_terms=N * used, **kwargs)
+  jac = jax.jacrev(terms)(params)  # leaves (N, used, *leaf shape)
+  grads = jax.grad(lambda p: terms(p).mean())(params)
+  for layer, (first, second) in {"ln": ("scale", "bias"), "rms": ("scale", None),
+                                 "pos": ("pos_embedding", None)}.items():
+    per_term = [np.asarray(jac[layer][leaf]).reshape(N, used, -1) if leaf
+                else np.zeros((N, used, np.asarray(jac[layer][first][0, 0]).size))
+                for leaf in (first, second)]
+    rows = np.stack(per_term, -1)  # (N, used, entries, 2)
+    rows = rows.sum(1) if case == "reduce" else rows.reshape(N * used, *rows.shape[2:])
+    fisher = np.einsum("rci,rcj->cij", rows, rows) / (N * used)
+    grad = np.stack([np.asarray(grads[layer][first]).ravel(),
+                     np.asarray(grads[layer][second]).ravel() if second
+                     else np.zeros(fisher.shape[0])], -1)
+    want = np.linalg.solve(fisher + DAMPING * np.eye(2), grad[..., None])[..., 0]
+    got = np.asarray(updates[layer][first]).ravel()
+    np.testing.assert_allclose(got, want[:, 0], rtol=1e-10, atol=1e-13)
+    if second:
+      np.testing.assert_allclose(np.asarray(updates[layer][second]), want[:, 1], rtol=1e-10,
+                                 atol=1e-13)

@@ -18,8 +18,9 @@ either term may be absent), the arrays' axes of size above 1 along axes of the o
 than the examples' (axis 0), their axes of size 1 broadcast. Then ``dy / dscale = x_hat`` and
 ``dy / dbias = 1`` per entry: a normalization layer's affine map, whose curvature is SP-NGD's
 unit-wise natural gradient, the ``'norm'`` kind's (``norm.py``): per entry ``c`` of the arrays
-(a channel, or a position and channel), the 2x2 Fisher of the per-example gradients ``sum_t
-x_hat g`` and ``sum_t g``, summed over the output axes the entry is shared by. Capture records
+(a channel, or a position and channel), the 2x2 Fisher of the per-loss-term gradients ``sum_t
+x_hat g`` and ``sum_t g``, summed over each term's positions among the output axes the entry is
+shared by (``norm.per_term_grads``). Capture records
 ``x_hat`` as the output of the module's call with ``scale = 1 - c_s`` and ``bias = -c_b``
 (:meth:`ChannelAffine.unit_affine`).
 
@@ -65,9 +66,9 @@ class ChannelAffineStats:
   ``gamma`` and ``beta``, a ``scale`` used as a shift).
 
   Attributes:
-    scale_grads: ``(S, N, C)`` per-example gradients of the scale, ``sum_t x_hat g`` (zeros
-      without one).
-    bias_grads: ``(S, N, C)`` per-example gradients of the shift, ``sum_t g`` (zeros without
+    scale_grads: ``(S, N, C)`` per-loss-term gradients of the scale, ``sum_t x_hat g`` over
+      each term's positions (zeros without one; ``norm.per_term_grads``).
+    bias_grads: ``(S, N, C)`` per-loss-term gradients of the shift, ``sum_t g`` (zeros without
       one).
     scale: the scale leaf's name, or ``None`` without one (static).
     bias: the shift leaf's name, or ``None`` without one (static).
@@ -362,21 +363,21 @@ class ChannelAffine(norm.Norm):
 
   def make_stats(self, inputs, cotangents, *, channel_axes, scale, bias, scale_shift,
                  bias_shift, ndim) -> Any:
-    """Per-example gradients ``(S, N, C)`` of each entry of the arrays from ``x_hat (N, ...)``
-    and ``g (S, N, ...)``: summed over the output's axes but the examples and
-    ``channel_axes``, the entries flattened in the arrays' order. ``NormStats`` for arrays
+    """Per-position gradients ``(S, N, P..., C)`` of each entry of the arrays from ``x_hat
+    (N, ...)`` and ``g (S, N, ...)``: the output's axes but the examples and ``channel_axes``
+    are the positions ``P``, the entries flattened last in the arrays' order
+    (:meth:`per_loss_term` sums the positions per loss term). ``NormStats`` for arrays
     ``(C,)`` (``ndim`` 1) named ``scale`` and ``bias`` by their roles (the ``'norm'`` kind lays
     them out from their shapes), else :class:`ChannelAffineStats` naming them."""
     del scale_shift, bias_shift
     dtype = jnp.promote_types(inputs.dtype, cotangents.dtype)
     g = cotangents.astype(dtype)
-    keep = (0, 1) + tuple(a + 1 for a in channel_axes)
-    order = tuple(2 + sorted(channel_axes).index(a) for a in channel_axes)
+    entries = tuple(a + 1 for a in channel_axes)  # in the arrays' order
 
-    def per_entry(v):  # (S, N, ...) -> (S, N, C)
-      v = v.sum(tuple(i for i in range(v.ndim) if i not in keep))
-      v = jnp.transpose(v, (0, 1) + order)
-      return v.reshape(v.shape[:2] + (-1,))
+    def per_entry(v):  # (S, N, ...) -> (S, N, P..., C)
+      positions = tuple(i for i in range(2, v.ndim) if i not in entries)
+      v = jnp.transpose(v, (0, 1) + positions + entries)
+      return v.reshape(v.shape[:2 + len(positions)] + (-1,))
 
     bias_grads = per_entry(g)
     scale_grads = (per_entry(inputs.astype(dtype)[None] * g) if scale is not None
@@ -410,7 +411,7 @@ class ChannelAffine(norm.Norm):
                        "were they captured from another model?")
 
   def side_statistics(self, spec, stats, dtype):
-    """The ``(C, 2, 2)`` unit-wise Fisher of the per-example gradients of the layer's leaves
+    """The ``(C, 2, 2)`` unit-wise Fisher of the per-term gradients of the layer's leaves
     in the order of their names (zeros for a second leaf it does not have): the order of its
     side curvature, whichever leaf is the scale, so that a layout from shapes alone serves."""
     self.check_stats(spec, stats)

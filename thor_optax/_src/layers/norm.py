@@ -3,8 +3,10 @@
 ``nnx.GroupNorm``, ``nnx.RMSNorm``).
 
 Their curvature is SP-NGD's unit-wise natural gradient: per channel ``c`` the 2x2 empirical
-Fisher of ``(scale_c, bias_c)``, ``F_c = (1/N) sum_{s,n} [gs, gb]^T [gs, gb]`` from the
-per-example gradients ``gs = sum_t x_hat g``, ``gb = sum_t g``, damped by ``lambda`` and
+Fisher of ``(scale_c, bias_c)``, ``F_c = (1/M) sum_{s,m} [gs, gb]^T [gs, gb]`` from the
+gradients of the ``M`` loss terms, ``gs = sum_t x_hat g``, ``gb = sum_t g`` over each term's
+positions ``t`` (an example's for a loss per example, one token's for a loss per token:
+:func:`per_term_grads`), damped by ``lambda`` and
 inverted in closed form. It is side curvature (:class:`UnitwiseState`), refreshed at every check
 step; nothing lives in the block stacks. Under data parallelism (``axis_name``) the Fisher of
 each replica's examples is averaged across replicas before it is damped and inverted
@@ -58,17 +60,19 @@ _LEAVES = ("scale", "bias")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NormStats:
-  """Per-example gradients of a normalization layer's scale and bias (BatchNorm, LayerNorm,
+  """Per-loss-term gradients of a normalization layer's scale and bias (BatchNorm, LayerNorm,
   GroupNorm, RMSNorm).
 
-  For ``y = scale * x_hat + bias`` over channels ``C`` (the last axis), the per-example
-  gradients are ``scale_grads[s, n] = sum_t x_hat[n, t] * g[s, n, t]`` and ``bias_grads[s, n] =
-  sum_t g[s, n, t]``, summed over the positions ``t`` an example covers, with ``g`` the
-  per-example output cotangents (scaled like :class:`DenseStats` cotangents). A layer without a
-  scale (or bias) has zeros there.
+  For ``y = scale * x_hat + bias`` over channels ``C`` (the last axis), the gradients are
+  ``scale_grads[s, m] = sum_t x_hat[t] * g[s, t]`` and ``bias_grads[s, m] = sum_t g[s, t]``,
+  summed over the positions ``t`` of loss term ``m`` (an example's for a loss per example, one
+  token's for a loss per token: :func:`per_term_grads`), with ``g`` the per-term output
+  cotangents (scaled like :class:`DenseStats` cotangents). A layer without a scale (or bias) has
+  zeros there. The Fisher averages over the rows (:func:`unitwise_fisher`).
 
   Attributes:
-    scale_grads: ``(S, N, C)``.
+    scale_grads: ``(S, N, C)``: ``N`` rows, the ``M`` loss terms (or rows scaled so that the
+      mean over them is ``(1/M) sum`` over the terms, :func:`per_term_grads`).
     bias_grads: ``(S, N, C)``.
 
   Source: Osawa et al., SP-NGD, TPAMI 2020, section "Unit-wise Natural Gradient" (the
@@ -102,10 +106,44 @@ class StoredUnitwiseState(NamedTuple):
 
 
 def unitwise_fisher(scale_grads: jax.Array, bias_grads: jax.Array) -> jax.Array:
-  """``(C, 2, 2)`` per-channel empirical Fisher from ``(S, N, C)`` per-example gradients."""
+  """``(C, 2, 2)`` per-channel empirical Fisher, the mean over the ``N`` rows of ``(S, N, C)``
+  per-term gradients (:func:`per_term_grads`)."""
   g = jnp.stack([scale_grads, bias_grads], axis=-1)  # (S, N, C, 2)
   return jnp.einsum("snci,sncj->cij", g, g,
                     out_sharding=explicit.contraction_sharding(g)) / g.shape[1]
+
+
+def per_term_grads(grads: jax.Array, num_terms: int, weight_sharing: str) -> jax.Array:
+  """``(S, K, C)`` gradient rows whose unit-wise Fisher (:func:`unitwise_fisher`, which divides
+  by ``K``) is ``(1/M) sum`` over the ``M`` loss terms, from the per-position gradient
+  contributions ``grads`` ``(S, N, P..., C)`` of ``N`` examples with positions ``P``.
+
+  A loss term's gradient of a scale or bias is the sum of the contributions of its positions:
+
+  * K-FAC-expand (``'auto'`` with more terms than examples: a loss per token): the ``N P``
+    rows, examples major, summed in ``M`` consecutive groups when they split into them (``M =
+    N T``: one position per term, so an LM's norm gets the per-token Fisher its dense layers
+    get; ``M = N``: one example per term), else kept and scaled by ``sqrt(N P / M)`` (a loss
+    that drops the last position);
+  * K-FAC-reduce (``'auto'`` with at most as many terms as examples): each example's positions
+    summed (SP-NGD's per-example gradients), the examples summed in ``M`` groups when they
+    split into them (windows folded into the batch), else scaled by ``sqrt(N / M)``.
+
+  For a loss per example (``M = N``) both give the per-example gradients. Before, the positions
+  were always summed per example and divided by ``N``: for a loss per token that is ``T`` times
+  the expanded Fisher (per-sequence sums of ``T`` per-token gradients).
+
+  Source: Osawa et al., SP-NGD, TPAMI 2020 (per-example unit-wise Fisher); Eschenhagen et al.,
+  NeurIPS 2023 (expand and reduce over the positions sharing a weight); the grouping is this
+  project's, as :func:`~thor_optax._src.layers.base.regroup_examples`'.
+  """
+  s, n, c = grads.shape[0], grads.shape[1], grads.shape[-1]
+  mode = base.resolve_weight_sharing(weight_sharing, num_terms, n)
+  rows = grads.reshape(s, -1, c) if mode == "expand" else grads.reshape(s, n, -1, c).sum(2)
+  k = rows.shape[1]
+  if k >= num_terms and k % num_terms == 0:
+    return rows.reshape(s, num_terms, k // num_terms, c).sum(2)
+  return rows * jnp.sqrt(jnp.asarray(k / num_terms, rows.dtype))
 
 
 def unitwise_inverse(fisher: jax.Array, damping: jax.Array) -> jax.Array:
@@ -162,8 +200,7 @@ class Norm(base.LayerKind):
   No Kronecker factors (its claim has ``a_dim = g_dim = None``): the parameters are the ``C``
   pairs ``(scale_c, bias_c)``, each preconditioned by its damped 2x2 Fisher,
   ``(C, 2, 2)`` inverses kept as side curvature (module docstring). Capture records ``x_hat``
-  (:meth:`unit_affine`) and the statistics are the per-example gradients,
-  :class:`NormStats`. From parameter shapes it claims a module whose leaves are only ``scale``
+  (:meth:`unit_affine`) and the statistics are the per-term gradients, :class:`NormStats`. From parameter shapes it claims a module whose leaves are only ``scale``
   and/or ``bias`` of one rank-1 shape.
 
   Listed in ``CurvatureStats.unhandled`` instead of captured: scale and bias over axes other
@@ -239,14 +276,20 @@ class Norm(base.LayerKind):
     return base.Plan(dict(has_scale="scale" in leaves, has_bias="bias" in leaves))
 
   def make_stats(self, inputs, cotangents, *, has_scale: bool, has_bias: bool) -> NormStats:
-    """Per-example scale and bias gradients from ``x_hat (N, ..., C)``, ``g (S, N, ..., C)``."""
+    """Per-position scale and bias gradients ``(S, N, P..., C)`` from ``x_hat (N, P..., C)``
+    and ``g (S, N, P..., C)``; :meth:`per_loss_term` sums them per loss term."""
     dtype = jnp.promote_types(inputs.dtype, cotangents.dtype)
     g = cotangents.astype(dtype)
-    positions = tuple(range(2, g.ndim - 1))
-    zeros = jnp.zeros(g.shape[:2] + g.shape[-1:], dtype)
-    scale_grads = (inputs.astype(dtype)[None] * g).sum(positions) if has_scale else zeros
-    bias_grads = g.sum(positions) if has_bias else zeros
+    zeros = jnp.zeros(g.shape, dtype)
+    scale_grads = inputs.astype(dtype)[None] * g if has_scale else zeros
+    bias_grads = g if has_bias else zeros
     return NormStats(scale_grads=scale_grads, bias_grads=bias_grads)
+
+  def per_loss_term(self, stats, num_terms, weight_sharing):
+    """The gradients summed per loss term, ``(S, K, C)`` (:func:`per_term_grads`)."""
+    return dataclasses.replace(
+        stats, scale_grads=per_term_grads(stats.scale_grads, num_terms, weight_sharing),
+        bias_grads=per_term_grads(stats.bias_grads, num_terms, weight_sharing))
 
   def claim(self, path: tuple[str, ...],
             shapes: Mapping[str, tuple[int, ...]]) -> Optional[base.Claim]:
