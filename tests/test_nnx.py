@@ -378,6 +378,24 @@ def test_shared_and_unsupported_layers_are_unhandled_and_pass_through():
     assert float(jnp.abs(updates[name]["kernel"] - pure[name]["kernel"]).max()) > 1e-4
 
 
+@pytest.mark.parametrize("alias", ["kfac", "thor"])
+def test_aliases_take_a_state_initialised_from_variables(alias):
+  """``tx.init(nnx.state(model, nnx.Param))`` (``nnx.Variable`` leaves, as above) updated with
+  pure arrays: the aliases' ``skip_not_finite`` guard chose between the new state and the old
+  one's Variables, which JAX no longer converts implicitly (a deep ``ValueError`` before; found
+  by the h_llm audit). Now the step equals the one from a state initialised from pure arrays."""
+  x, y = _data()
+  model = NnxMLP(nnx.Rngs(0))
+  (_, grads), stats = thor_nnx.value_and_grad_with_stats(_loss)(model, x, y)
+  tx = getattr(thor_optax, alias)(0.1, 0.1)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  step = jax.jit(functools.partial(tx.update, curvature_stats=stats))
+  updates, state = step(nnx.as_pure(grads), tx.init(nnx.state(model, nnx.Param)), params)
+  want, want_state = step(nnx.as_pure(grads), tx.init(params), params)
+  _assert_tree_close(updates, want, rtol=0, atol=0)
+  _assert_tree_close(nnx.as_pure(state), want_state, rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------- 4. model state
 
 

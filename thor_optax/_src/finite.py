@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from thor_optax._src import explicit
@@ -90,6 +91,10 @@ def _keep_if(accept: jax.Array, new: Any, old: Any) -> Any:
   for i, (n, o) in enumerate(zip(new_leaves, old_leaves)):
     if n is o:
       continue
+    if not isinstance(o, (jax.Array, np.ndarray, np.generic)) and hasattr(o, "__jax_array__"):
+      # An array wrapper (an ``nnx.Variable`` of a state made by ``tx.init(nnx.state(model,
+      # nnx.Param))`` and updated with pure arrays): JAX no longer converts it implicitly.
+      old_leaves[i] = o = jnp.asarray(o)
     if jnp.result_type(o) != jnp.result_type(n):
       # The step changed a leaf's dtype (bfloat16 momentum given a float32 rate or momentum
       # promotes to float32): the kept leaf takes the new dtype, as without the guard.
