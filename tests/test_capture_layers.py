@@ -13,6 +13,7 @@
 * normalization over other than the last axis is reported as unhandled.
 """
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -325,7 +326,9 @@ def test_norm_over_other_axes_unhandled():
 
 def test_bare_parameters_are_named_in_the_reason():
   """A ``self.param`` of the root module (a learned position table, a class token) is listed
-  under ``(root)``, naming the parameters rather than only 'module kind not supported'."""
+  under ``(root)``, naming the parameters rather than only 'module kind not supported', and,
+  since the root also has a submodule with parameters, saying that the capture takes a
+  module's call as a whole (a position embedding in a module of its own is captured)."""
 
   class WithTable(nn.Module):
     @nn.compact
@@ -339,8 +342,11 @@ def test_bare_parameters_are_named_in_the_reason():
   (_, _), stats = value_and_grad_with_stats(WithTable(), softmax_ce)(params, x, jnp.arange(4) % 3)
   assert set(stats.layers) == {"Dense_0"}
   assert stats.unhandled == (
-      "(root): module kind not supported (parameters 'cls', 'pos' pass through "
-      "unpreconditioned; thor_optax.register_layer_kind can take it)",)
+      "(root): parameters 'cls', 'pos' of a module that also has submodules, used in its own "
+      "call (a class token, a position embedding, a layer scale), pass through "
+      "unpreconditioned: the capture takes a module's call as a whole. A position embedding "
+      "added, or a layer scale multiplied, in a module of its own is captured (the "
+      "'channel_affine' kind)",)
 
 
 def test_integer_inputs_are_recorded_as_flax_casts_them():
@@ -566,6 +572,65 @@ class SharedTables(nn.Module):
     positions = nn.Embed(t, 2, param_dtype=F64, name="positions")(jnp.arange(t))  # (T,) ids
     return nn.Dense(3, param_dtype=F64, name="head")(jnp.concatenate(
         [h, bias.reshape(n, -1), jnp.broadcast_to(positions.reshape(-1), (n, 2 * t))], axis=-1))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _buckets_in_a_jitted_function(t, x):
+  """A jitted helper (a ``pjit`` in the model's jaxpr) given the examples: the table broadcast
+  to their ``N`` rows, the table itself (``t`` rows) and the examples doubled."""
+  table = jnp.clip(jnp.arange(t)[None] - jnp.arange(t)[:, None], -2, 2) + 2
+  return jnp.broadcast_to(-(-table), (x.shape[0],) + table.shape), table, 2 * x
+
+
+class TableAtBatchSize(nn.Module):
+  """A ``(T, T)`` bucket table into an ``Embed`` at a batch of ``N = T`` examples, as given to
+  the layer by ``form``; learned ``(N, d)`` latents into a ``Dense``."""
+  form: str
+
+  @nn.compact
+  def __call__(self, x):
+    n, t = x.shape[0], x.shape[1]
+    buckets = jnp.clip(jnp.arange(t)[None] - jnp.arange(t)[:, None], -2, 2) + 2
+    given = {"table": lambda: buckets,
+             "broadcast_to": lambda: jnp.broadcast_to(buckets, (n, t, t)),
+             "tile": lambda: jnp.tile(buckets[None], (n, 1, 1)),
+             "repeat": lambda: jnp.repeat(buckets[None], n, axis=0),
+             "jitted": lambda: _buckets_in_a_jitted_function(t, x)[0],
+             "jitted_table": lambda: _buckets_in_a_jitted_function(t, x)[1]}[self.form]()
+    bias = nn.Embed(5, 2, param_dtype=F64, name="bias")(given)
+    bias = jnp.broadcast_to(bias, (n, t, t, 2)).reshape(n, -1)
+    latents = self.param("latents", nn.initializers.normal(), (n, 3), F64)
+    h = nn.Dense(3, param_dtype=F64, name="latent_proj")(latents).sum(0)
+    x = _buckets_in_a_jitted_function(t, x)[2]
+    return nn.Dense(3, param_dtype=F64, name="head")(jnp.concatenate(
+        [x.reshape(n, -1) + h.sum(), bias], axis=-1))
+
+
+@pytest.mark.parametrize("form", ["table", "broadcast_to", "tile", "repeat", "jitted",
+                                  "jitted_table"])
+def test_a_table_with_as_many_rows_as_examples_is_not_taken_for_them(form):
+  """A table whose leading axis happens to equal the batch size (T5's ``(T, T)`` relative
+  bucket table at ``N = T``, learned latents ``(N, d)``) was taken for a batched input before,
+  silently: the bias table's update 3.2x the broadcast capture's (found by the h_llm audit).
+  Now a layer input that depends on no example is taken only when its leading axis is a
+  broadcast (``example_rows.py``), through ``jnp.broadcast_to``, ``jnp.tile``, ``jnp.repeat``
+  and a jitted function's body; otherwise listed, as at any other batch size."""
+  x = jnp.asarray(randn(3, (5, 5, 3)))  # N = T = 5
+  y = jnp.arange(5) % 3
+  model = TableAtBatchSize(form)
+  params = init_params(model, x)
+  (_, _), stats = value_and_grad_with_stats(model, softmax_ce)(params, x, y)
+  listed = dict(note.split(": ", 1) for note in stats.unhandled)
+  assert listed["latent_proj"].startswith("applied to an input of shape (5, 3) that depends "
+                                          "on no example")
+  shared = form in ("table", "jitted_table")
+  assert ("bias" in listed) == shared
+  if shared:
+    assert listed["bias"].startswith("applied to an input of shape (5, 5) that depends on no "
+                                     "example")
+  else:
+    assert stats.layers["bias"].inputs.shape == (5, 5, 5)
+  assert "head" in stats.layers
 
 
 @pytest.mark.parametrize("broadcast_first", [False, True])

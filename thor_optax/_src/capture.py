@@ -89,6 +89,7 @@ import numpy as np
 from jax.extend import core as jax_core
 
 from thor_optax._src import attention_keys
+from thor_optax._src import example_rows
 from thor_optax._src import layers as layers_lib
 from thor_optax._src import stats as stats_lib
 from thor_optax._src import step_sharing
@@ -111,17 +112,28 @@ def not_one_array_reason(mod: Any, args: tuple, kwargs: dict) -> str:
 
 def unsupported_reasons(leaf_paths: Iterable[tuple[Any, ...]]) -> dict[tuple[Any, ...], str]:
   """``{module path: reason}`` for modules no registered kind takes, naming their parameters
-  (a bare ``self.param('pos', ...)`` of the root module shows up as ``(root)``)."""
+  (a bare ``self.param('pos', ...)`` of the root module shows up as ``(root)``). Parameters of
+  a module that also has submodules with parameters (a ViT's class token and position
+  embeddings next to its patch convolution, a BEiT layer's layer scales) are said to be such:
+  the capture takes a module's call as a whole, and only a module of their own is one."""
   leaves: dict[tuple[Any, ...], list] = {}
   for path in leaf_paths:
     leaves.setdefault(tuple(path[:-1]), []).append(str(path[-1]))
-  def reason(names):
+
+  def reason(module, names):
     quoted = ", ".join(repr(n) for n in sorted(names))
-    verb = "passes" if len(names) == 1 else "pass"
-    return (f"module kind not supported (parameter{'s' * (len(names) > 1)} {quoted} {verb} "
+    plural = len(names) > 1
+    verb = "pass" if plural else "passes"
+    if any(len(other) > len(module) and other[:len(module)] == module for other in leaves):
+      return (f"parameter{'s' * plural} {quoted} of a module that also has submodules, used in "
+              f"its own call (a class token, a position embedding, a layer scale), {verb} "
+              "through unpreconditioned: the capture takes a module's call as a whole. A "
+              "position embedding added, or a layer scale multiplied, in a module of its own "
+              "is captured (the 'channel_affine' kind)")
+    return (f"module kind not supported (parameter{'s' * plural} {quoted} {verb} "
             "through unpreconditioned; thor_optax.register_layer_kind can take it)")
 
-  return {module: reason(names) for module, names in leaves.items()}
+  return {module: reason(module, names) for module, names in leaves.items()}
 
 
 def bridged_reasons(reasons: dict[tuple[Any, ...], str], bridges: Iterable[tuple[Any, ...]],
@@ -1087,19 +1099,29 @@ def not_per_example(jaxpr: Any, outputs: Any, probes: Mapping[tuple[str, ...], A
   and broadcast after the layer, so its rows are not examples and its output cotangents arrive
   summed over the batch: K-FAC's factors cannot be formed from them (the capture would take the
   table's first axis for the examples). One broadcast to ``(N, ...)`` before the layer has a
-  row block per example, whose cotangents are that example's: taken. (A table whose leading
-  axis happens to equal ``N`` is taken for one too.) Found by dead-code elimination of the
-  discovery pass's ``jaxpr``, whose outputs are ``outputs`` flattened and hold each layer's
-  recorded input ``probes[path]``.
+  row block per example, whose cotangents are that example's: taken. Found from the discovery
+  pass's ``jaxpr``, whose outputs are ``outputs`` flattened and hold each layer's recorded input
+  ``probes[path]``: by dead-code elimination for a leading axis other than ``N``; for one of
+  ``N`` rows (a ``(T, T)`` table at ``N = T`` included, taken for a batched one before), by
+  the dependence on the examples propagated forward and whether the leading axis is a
+  broadcast (``example_rows.py``).
   """
   index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(outputs))}
+  dependent = None
   found = {}
   for path, probe in probes.items():
     i = index.get(id(probe))
-    if i is None or not probe.shape or probe.shape[0] == batch:
+    if i is None or not probe.shape:
       continue
-    used = _used_inputs(jaxpr, [j == i for j in range(len(jaxpr.outvars))])
-    if used is not None and not any(used[given:]):
+    if probe.shape[0] == batch:
+      var = jaxpr.outvars[i]
+      dependent = example_rows.example_dependent(jaxpr, given) if dependent is None else dependent
+      per_example = (isinstance(var, jax_core.Literal) or var in dependent
+                     or example_rows.broadcast_axis(jaxpr, var, 0))
+    else:
+      used = _used_inputs(jaxpr, [j == i for j in range(len(jaxpr.outvars))])
+      per_example = used is None or any(used[given:])
+    if not per_example:
       found[path] = (
           f"applied to an input of shape {tuple(probe.shape)} that depends on no example (a "
           "relative-position bucket table, learned latents, position ids broadcast over the "
