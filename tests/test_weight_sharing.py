@@ -530,3 +530,56 @@ def test_a_parameter_read_outside_its_layer_is_listed():
       NNXRawTied(nnx.Rngs(0)), ids, y)
   listed, captured = _raw_tied_listed(stats)
   assert listed == {"emb", "enc"} and captured == {"head"}
+
+
+class WithUnusedCall(nn.Module):
+  """big_vision's ViT head: applied to the pooled features (the logits the loss reads) and,
+  when ``aux``, to every token too (``logits_2d``, returned beside them for analysis)."""
+  aux: bool
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.Dense(D, name="body")(x))  # (N, T, D)
+    head = nn.Dense(K, name="head")
+    out = {"logits_2d": head(h)} if self.aux else {}
+    return head(h.max(axis=1)), out
+
+
+class NnxWithUnusedCall(nnx.Module):
+  """:class:`WithUnusedCall` in NNX."""
+
+  def __init__(self, aux):
+    self.aux = aux
+    self.body = nnx.Linear(6, D, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    self.head = nnx.Linear(D, K, param_dtype=jnp.float64, rngs=nnx.Rngs(1))
+
+  def __call__(self, x):
+    h = jnp.tanh(self.body(x))
+    return self.head(h.max(axis=1)), ({"logits_2d": self.head(h)} if self.aux else {})
+
+
+@pytest.mark.parametrize("weight_sharing", ["auto", "expand", "reduce"])
+def test_a_call_the_loss_never_reads_is_no_use(weight_sharing):
+  """A layer's call whose result the loss never reads is left out of its curvature: the update
+  equals the one of the model without that call, linen and NNX. Before, its inputs entered ``A``
+  with zero cotangents: the head's update 2x off (0.7x under expand; found by the h_examples
+  audit)."""
+  x = jnp.asarray(randn(11, (N, T, 6)))
+  y = jnp.arange(N) % K
+  loss = lambda out, labels: softmax_ce(out[0], labels)
+  kwargs = dict(num_loss_terms=N, weight_sharing=weight_sharing)
+  params = reference.init_params(WithUnusedCall(True), x)
+  got, grads, _ = _update(WithUnusedCall(True), params, x, y, loss, **kwargs)
+  want, want_grads, _ = _update(WithUnusedCall(False), params, x, y, loss, **kwargs)
+  for a, b in zip(jax.tree.leaves((got, grads)), jax.tree.leaves((want, want_grads))):
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+  def nnx_update(aux):
+    model = NnxWithUnusedCall(aux)
+    (_, g), stats = thor_optax.nnx.value_and_grad_with_stats(loss, **kwargs)(model, x, y)
+    tx = thor_optax.scale_by_kfac(DAMPING, ema_decay=None)
+    u, _ = tx.update(g, tx.init(nnx.state(model, nnx.Param)), curvature_stats=stats)
+    return nnx.to_pure_dict(nnx.State(u))
+
+  for a, b in zip(jax.tree.leaves(nnx_update(True)), jax.tree.leaves(nnx_update(False))):
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)

@@ -25,8 +25,8 @@ Captured layer kinds (see ``layers/*.py``):
 * ``nn.Embed`` -> ``EmbedStats`` (token ids, output cotangents; for a tied embedding also its
   ``attend`` inputs and logit cotangents);
 * ``nn.BatchNorm``, ``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.RMSNorm`` with scale and/or
-  bias over the last axis only (``RMSNorm``: scale only) -> ``NormStats`` (per-example scale and
-  bias gradients);
+  bias over the last axis only (``RMSNorm``: scale only) -> ``NormStats`` (scale and bias
+  gradients per loss term);
 * modules of no Flax class, recognised from their calls traced alone (``layers/traced.py``): a
   product by one weight (``'matmul'``), a scale and shift per entry (``'channel_affine'``), an
   embedding table looked up and perhaps applied as the tied output by methods of its own
@@ -732,10 +732,54 @@ def vjp_with_stats(
                                 options.likelihood, options.num_samples, rng)
     out_cts = out_cts * used_positions(loss_fn, outputs, targets, dloss).astype(out_cts.dtype)
     cts = jax.vmap(lambda ct: vjp_fn(ct)[1])(out_cts)
+  captured, layer_inputs, cts = _uses_reaching_the_loss(
+      _reaching_the_loss(forward, params, perturbations, loss_fn, targets, captured),
+      captured, layer_inputs, cts)
   stats = _curvature_stats(captured, unhandled, layer_inputs, cts, num_terms, per_term,
                            options.weight_sharing, options.fisher_type == "empirical")
   stats_lib.mark_captured_gradients(grads, stats)  # what a plain step from the rows stands for
   return loss, grads, stats, aux
+
+
+def _reaching_the_loss(forward: Callable, params: Any, perturbations: dict,
+                       loss_fn: Callable, targets: Any, captured: Mapping[tuple[Any, ...], dict]
+                       ) -> dict[tuple[Any, ...], tuple[bool, ...]]:
+  """``{path: (reaches, ...)}``, for each layer with several uses, whether each use's output
+  reaches the loss (dead-code elimination of the loss's jaxpr in the perturbations; one more
+  trace of the forward pass, only for models with such a layer). A call whose result the loss
+  never reads (big_vision's ViT applies its head to every token too, ``logits_2d``, returned
+  beside the logits the loss reads) is no use of the loss's Fisher. ``{}`` without such layers
+  or where JAX lacks the elimination."""
+  shared = [path for path, c in captured.items() if c["uses"]]
+  if not shared:
+    return {}
+  order = list(perturbations)
+  closed = jax.make_jaxpr(lambda perts: loss_fn(
+      forward(params, dict(zip(order, perts)))[0], targets))([perturbations[p] for p in order])
+  used = _used_inputs(closed.jaxpr)
+  if used is None:
+    return {}
+  ends = np.cumsum([len(jax.tree.leaves(perturbations[p])) for p in order])
+  by_path = {p: tuple(used[end - len(jax.tree.leaves(perturbations[p])):end])
+             for p, end in zip(order, ends)}
+  return {p: by_path[p] for p in shared}
+
+
+def _uses_reaching_the_loss(reaching: Mapping[tuple[Any, ...], tuple[bool, ...]],
+                            captured: Mapping[tuple[Any, ...], dict], layer_inputs: dict,
+                            cts: dict) -> tuple[dict, dict, dict]:
+  """``captured``, ``layer_inputs`` and ``cts`` with each shared layer's uses that do not
+  reach the loss (:func:`_reaching_the_loss`) left out (all kept when none does: a layer whose
+  gradient is zero); before, their inputs entered ``A`` with zero cotangents."""
+  captured, layer_inputs, cts = dict(captured), dict(layer_inputs), dict(cts)
+  for path, reaches in reaching.items():
+    kept = [i for i, r in enumerate(reaches) if r]
+    if not kept or len(kept) == len(reaches):
+      continue
+    captured[path] = {**captured[path], "uses": tuple(captured[path]["uses"][i] for i in kept)}
+    layer_inputs[path] = tuple(layer_inputs[path][i] for i in kept)
+    cts[path] = tuple(cts[path][i] for i in kept)
+  return captured, layer_inputs, cts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1462,7 +1506,7 @@ def value_and_grad_with_stats(
       captured layer: :class:`DenseStats` (inputs ``(N, ..., d_in)``, cotangents
       ``(S, N, ..., d_out)``), :class:`ConvStats` (inputs ``(N, spatial..., C)``),
       :class:`EmbedStats` (ids ``(N, ...)``, cotangents ``(S, N, ..., features)``) or
-      :class:`NormStats` (``(S, N, C)`` per-example scale and bias gradients). Cotangents are
+      :class:`NormStats` (``(S, N, C)`` scale and bias gradients per loss term). Cotangents are
       per example: ``N`` times those of a mean loss (``N`` = number of loss terms). Its
       ``unhandled`` lists modules with parameters that were not captured (shared layers,
       tied embeddings, normalization over other than the last axis, unsupported kinds); their
