@@ -655,3 +655,48 @@ def test_layers_on_inputs_shared_by_every_example_are_listed(broadcast_first):
   assert {"noise_proj", "head"} <= set(stats.layers)
   if broadcast_first:
     assert stats.layers["bias"].inputs.shape == (4, 5, 5)
+
+
+class InputsAndTargets(nn.Module):
+  """Flax's WMT ``Transformer.__call__(inputs, targets)``: the model takes a keyword named as
+  the capture's own third argument."""
+
+  @nn.compact
+  def __call__(self, inputs, targets):
+    h = nn.Dense(4, param_dtype=F64, name="enc")(inputs).mean(1, keepdims=True)
+    return nn.Dense(3, param_dtype=F64, name="dec")(h + targets)
+
+
+def test_a_model_keyword_named_targets_goes_to_the_model():
+  """Before, ``fn(params, inputs, targets, ...)`` took the model's ``targets=`` for its own
+  third argument: a bare ``TypeError: got multiple values for argument 'targets'`` (found by
+  the h_examples audit). Now its first three arguments are positional only, linen and NNX."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import thor_optax.nnx  # pylint: disable=import-outside-toplevel
+  x = jnp.asarray(randn(12, (4, 3, 2)))
+  dec_in = jnp.asarray(randn(13, (4, 5, 4)))
+  y = jnp.arange(20).reshape(4, 5) % 3
+  model = InputsAndTargets()
+  params = init_params(model, x, dec_in)
+  (loss, grads), stats = value_and_grad_with_stats(model, softmax_ce)(params, x, y,
+                                                                      targets=dec_in)
+  want, want_grads = jax.value_and_grad(
+      lambda p: softmax_ce(model.apply({"params": p}, x, targets=dec_in), y))(params)
+  np.testing.assert_allclose(loss, want, rtol=1e-14)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15),
+               grads, want_grads)
+  assert set(stats.layers) == {"enc", "dec"}
+
+  class NnxInputsAndTargets(nnx.Module):
+    def __init__(self):
+      self.dec = nnx.Linear(4, 3, param_dtype=F64, rngs=nnx.Rngs(0))
+
+    def __call__(self, inputs, targets):
+      return self.dec(inputs + targets)
+
+  nnx_model = NnxInputsAndTargets()
+  (loss, _), stats = thor_optax.nnx.value_and_grad_with_stats(softmax_ce)(
+      nnx_model, dec_in, y, targets=dec_in)
+  np.testing.assert_allclose(loss, softmax_ce(nnx_model(dec_in, targets=dec_in), y),
+                             rtol=1e-14)
+  assert set(stats.layers) == {"dec"}

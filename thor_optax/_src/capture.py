@@ -1495,9 +1495,11 @@ def value_and_grad_with_stats(
       iterations, whose rows do not leave the loop; ``'expand'`` lists it with that reason.
 
   Returns:
-    ``fn(params, inputs, targets, *, rng=None, model_state=None, mutable=False,
+    ``fn(params, inputs, targets, /, *, rng=None, model_state=None, mutable=False,
     **apply_kwargs)``, which calls ``model.apply({"params": params, **model_state}, inputs,
-    mutable=mutable, **apply_kwargs)`` once and returns ``((loss, grads), stats)``, or
+    mutable=mutable, **apply_kwargs)`` once (its first three arguments positional only, so that
+    a model's own ``targets`` keyword, Flax's WMT ``Transformer(inputs, targets)``, goes to the
+    model) and returns ``((loss, grads), stats)``, or
     ``((loss, grads), stats, mutated)`` when ``mutable`` is not ``False`` or
     ``capture_intermediates`` is set (as ``Module.apply``), where:
 
@@ -1544,7 +1546,7 @@ def value_and_grad_with_stats(
   options = FisherOptions(fisher_type, likelihood, num_samples, loss_reduction, num_loss_terms,
                           weight_sharing)
 
-  def fn(params, inputs, targets, *, rng=None, model_state: Optional[Mapping] = None,
+  def fn(params, inputs, targets, /, *, rng=None, model_state: Optional[Mapping] = None,
          mutable: Union[bool, str, Sequence[str]] = False, **apply_kwargs):
     options.check_rng(rng)
     check_rng_keyword(type(model).__call__, rng, "thor_optax.flax.value_and_grad_with_stats")

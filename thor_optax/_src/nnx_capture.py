@@ -593,9 +593,10 @@ def value_and_grad_with_stats(
       layers, rejects statistics of others as those of another model).
 
   Returns:
-    ``fn(model, inputs, targets, rng=None, **call_kwargs) -> ((loss, grads), stats)``, which
-    calls ``model(inputs, **call_kwargs)`` once (e.g. ``train=True`` or a ``mask`` go in
-    ``call_kwargs``), where:
+    ``fn(model, inputs, targets, /, rng=None, **call_kwargs) -> ((loss, grads), stats)``,
+    which calls ``model(inputs, **call_kwargs)`` once (e.g. ``train=True``, a ``mask`` or the
+    model's own ``targets`` go in ``call_kwargs``: the first three arguments are positional
+    only), where:
 
     * ``grads`` is what ``nnx.grad(lambda m: loss_fn(m(inputs), targets))(model)`` gives: an
       ``nnx.State`` of the model's ``nnx.Param`` variables (those ``wrt`` selects), ready for
@@ -605,7 +606,7 @@ def value_and_grad_with_stats(
       ``model.blocks[0].linear``): :class:`DenseStats` (inputs ``(N, ..., d_in)``, cotangents
       ``(S, N, ..., d_out)``), :class:`ConvStats` (inputs ``(N, spatial..., C)``),
       :class:`EmbedStats` (ids ``(N, ...)``, cotangents ``(S, N, ..., features)``) or
-      :class:`NormStats` (``(S, N, C)`` per-example scale and bias gradients). Cotangents are
+      :class:`NormStats` (``(S, N, C)`` scale and bias gradients per loss term). Cotangents are
       per example: ``N`` times those of a mean loss. ``unhandled`` lists, as ``"path: reason"``
       with ``/``-joined paths, the modules with parameters that were not captured (layers called
       more than once, tied embeddings, unsupported convolutions or normalization axes, other
@@ -641,7 +642,7 @@ def value_and_grad_with_stats(
   options = capture_lib.FisherOptions(fisher_type, likelihood, num_samples, loss_reduction,
                                       num_loss_terms, weight_sharing)
 
-  def fn(model, inputs, targets, rng=None, **kwargs):
+  def fn(model, inputs, targets, /, rng=None, **kwargs):
     options.check_rng(rng)
     if not isinstance(model, nnx.Module):
       raise TypeError(
