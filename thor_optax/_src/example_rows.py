@@ -8,9 +8,10 @@ two apart when the table happens to have as many rows as the batch has examples 
 ``(T, T)`` table at ``N = T``), so the capture asks the jaxpr instead:
 
 * :func:`example_dependent`: the variables that depend on the examples (any input after the
-  parameters and model state), propagated forward through every equation; a sub-jaxpr's
-  outputs all depend on the examples when any of its inputs does (an over-approximation, so a
-  variable outside the set surely depends on no example);
+  parameters and model state), propagated forward through every equation and into the bodies
+  of called jaxprs (jitted functions); a loop's or branch's outputs all depend on the examples
+  when any of its inputs does (an over-approximation, so a variable outside the set surely
+  depends on no example);
 * :func:`broadcast_axis`: whether an axis of a variable is a broadcast (every slice along it
   equal by construction: ``jnp.broadcast_to``, ``jnp.tile``, ``jnp.repeat`` of one row,
   ``jnp.zeros``), followed back through elementwise operations, reshapes, transposes and
@@ -37,6 +38,18 @@ _ELEMENTWISE = frozenset({
 # Primitives that call a closed jaxpr on their operands (``jax.jit``-ed functions, ``jnp``
 # functions written with it, custom derivatives).
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Primitives whose ``jaxpr`` is a loop body: its outputs are not the equation's (a scan stacks
+# them) and one pass through it does not follow the carry.
+_LOOPS = frozenset({"scan", "while"})
+
+
+def _called(eqn: Any) -> Any:
+  """The jaxpr an equation calls once on its operands, its outputs the equation's, or ``None``
+  (no sub-jaxpr, or a loop or branch)."""
+  if eqn.primitive.name in _LOOPS:
+    return None
+  inner = next((eqn.params[k] for k in _CALLS if eqn.params.get(k) is not None), None)
+  return getattr(inner, "jaxpr", inner)
 
 
 def example_dependent(jaxpr: Any, given: int) -> set:
@@ -53,11 +66,10 @@ def _dependent(jaxpr: Any, inputs: list[bool]) -> set:
     ins = [not isinstance(v, jax_core.Literal) and v in found for v in eqn.invars]
     if not any(ins):
       continue
-    inner = next((eqn.params[k] for k in _CALLS if eqn.params.get(k) is not None), None)
+    inner = _called(eqn)
     if inner is None:
       found.update(eqn.outvars)
       continue
-    inner = getattr(inner, "jaxpr", inner)
     body = _dependent(inner, ins)
     found.update(o for o, v in zip(eqn.outvars, inner.outvars)
                  if not isinstance(v, jax_core.Literal) and v in body)
@@ -117,10 +129,8 @@ class _Walk:
       size = tuple(var.aval.shape)[0]
       k = next((k for k in range(1, len(before) + 1) if math.prod(before[:k]) == size), None)
       return k is not None and all(follow(ins[0], j) for j in range(k))
-    for key in _CALLS:
-      inner = params.get(key)
-      if inner is not None:
-        inner = getattr(inner, "jaxpr", inner)
-        out = inner.outvars[next(i for i, o in enumerate(eqn.outvars) if o is var)]
-        return self.axis(inner, out, axis, outer + ((jaxpr, eqn),))
-    return False
+    inner = _called(eqn)
+    if inner is None:
+      return False
+    out = inner.outvars[next(i for i, o in enumerate(eqn.outvars) if o is var)]
+    return self.axis(inner, out, axis, outer + ((jaxpr, eqn),))
