@@ -79,6 +79,7 @@ from flax.nnx import bridge as nnx_bridge
 from flax.nnx import graph as nnx_graph
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from thor_optax._src import attention_keys
 from thor_optax._src import capture as capture_lib
@@ -331,21 +332,29 @@ def _discover(graphdef: Any, params: Any, rest: Any, inputs: Any,
   # example) and the rest (buffers, batch statistics: as the parameters, the same for every
   # example). The probes come last, where _mark_scan_shared reads them.
   rngs, kept = nnx.split_state(rest, nnx.RngState, ...)
+  # The call's keyword arrays (a second model input, ``ids=``) are traced inputs too, so that
+  # a layer applied to them is seen to depend on the examples (``not_per_example``).
+  plain, plain_def = jax.tree.flatten(call_kwargs.plain)
+  arrays = [i for i, leaf in enumerate(plain) if isinstance(leaf, (jax.Array, np.ndarray))]
 
-  def run(p, kept, rngs, x_in, kw_state, probes):
+  def run(p, kept, rngs, x_in, kw_state, kw_arrays, probes):
     copy = nnx.merge(graphdef, p, kept, rngs, copy=True)
     found.layers = _tagged(copy)
     for path, probe in zip(order, probes):
       setattr(found.layers[path], _PROBE, _Channel(probe))
     found.top = jax.extend.core.get_opaque_trace_state(convention="nnx")
+    leaves = list(plain)
+    for i, leaf in zip(arrays, kw_arrays):
+      leaves[i] = leaf
     with _intercept(found.record, copy):
-      out = copy(x_in, **call_kwargs.fresh(kw_state)[0])
+      out = copy(x_in, **{**call_kwargs.fresh(kw_state)[0],
+                          **jax.tree.unflatten(plain_def, leaves)})
     return ([getattr(found.layers[path], _PROBE).get_value() for path in order],
             dict(found.inputs), [y for y in jax.tree.leaves(out) if isinstance(y, jax.Array)])
 
   probes = [jax.ShapeDtypeStruct(own[path].shape, own[path].dtype) for path in order]
   closed, shapes = jax.make_jaxpr(run, return_shape=True)(
-      params, kept, rngs, inputs, call_kwargs.state(), probes)
+      params, kept, rngs, inputs, call_kwargs.state(), [plain[i] for i in arrays], probes)
   _mark_scan_shared(closed.jaxpr, order, found.written, found.calls)
   reasons = capture_lib.not_per_example(closed.jaxpr, shapes, shapes[1],
                                         len(jax.tree.leaves((params, kept))),
