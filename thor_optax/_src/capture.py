@@ -759,9 +759,10 @@ def _reaching_the_loss(forward: Callable, params: Any, perturbations: dict,
   used = _used_inputs(closed.jaxpr)
   if used is None:
     return {}
-  ends = np.cumsum([len(jax.tree.leaves(perturbations[p])) for p in order])
-  by_path = {p: tuple(used[end - len(jax.tree.leaves(perturbations[p])):end])
-             for p, end in zip(order, ends)}
+  by_path, start = {}, 0
+  for p in order:  # the flat inputs, path by path
+    count = len(jax.tree.leaves(perturbations[p]))
+    by_path[p], start = tuple(used[start:start + count]), start + count
   return {p: by_path[p] for p in shared}
 
 

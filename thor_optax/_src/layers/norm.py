@@ -200,8 +200,9 @@ class Norm(base.LayerKind):
   No Kronecker factors (its claim has ``a_dim = g_dim = None``): the parameters are the ``C``
   pairs ``(scale_c, bias_c)``, each preconditioned by its damped 2x2 Fisher,
   ``(C, 2, 2)`` inverses kept as side curvature (module docstring). Capture records ``x_hat``
-  (:meth:`unit_affine`) and the statistics are the per-term gradients, :class:`NormStats`. From parameter shapes it claims a module whose leaves are only ``scale``
-  and/or ``bias`` of one rank-1 shape.
+  (:meth:`unit_affine`) and the statistics are the per-term gradients, :class:`NormStats`.
+  From parameter shapes it claims a module whose leaves are only ``scale`` and/or ``bias`` of
+  one rank-1 shape.
 
   Listed in ``CurvatureStats.unhandled`` instead of captured: scale and bias over axes other
   than the last, an input without a batch axis, a layer called more than once per forward pass
